@@ -1,0 +1,543 @@
+"""Typed run configuration: dataclasses loaded from YAML, overridden from the CLI.
+
+Every field carries a docstring (the string literal under it); ``--help`` prints
+them. Overrides use the section path: ``--parallel.tp=2`` or ``--parallel.tp 2``.
+
+``validate(cfg, world_size)`` checks types, divisibility and batch arithmetic
+*before* any process group exists, because a bad layout otherwise shows up as a
+collective that hangs on some rank. Every error names the field and the flag
+that fixes it.
+
+    cfg = load_config("my.yaml", ["--parallel.tp=2"])
+    validate(cfg, world_size=2)
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value is malformed or impossible; the message names the field."""
+
+
+@dataclass
+class ModelConfig:
+    family: str = "qwen2"
+    """Model family: ``llama`` or ``qwen2`` (``qwen3`` adds QK-norm). Picks the HF mapping table."""
+    hf_checkpoint: Optional[str] = None
+    """HF checkpoint directory to start from (shapes are then read from its config.json)."""
+    vocab_size: int = 32000
+    """Tokenizer vocabulary size (before padding for TP)."""
+    hidden_size: int = 128
+    """Model width."""
+    num_layers: int = 2
+    """Transformer layers; must divide by ``parallel.pp``."""
+    num_attention_heads: int = 4
+    """Query heads; must divide by ``parallel.tp``."""
+    num_query_groups: int = 2
+    """Key/value heads (GQA groups); must divide by ``parallel.tp``."""
+    head_dim: Optional[int] = None
+    """Per-head width; default ``hidden_size // num_attention_heads``."""
+    ffn_hidden_size: int = 256
+    """SwiGLU intermediate size (each of gate and up)."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    qkv_bias: bool = False
+    """Bias on the QKV projection (Qwen2 uses one)."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output layer."""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    max_position_embeddings: int = 2048
+    """Longest sequence the model is built for."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the vocabulary to a multiple of this times ``parallel.tp`` (megatron convention)."""
+    dtype: str = "float32"
+    """Parameter dtype: ``float32`` or ``bfloat16``."""
+    fp8: bool = False
+    """FP8 through Transformer Engine; needs TE and a GPU."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    dp: int = 0
+    """Data-parallel size; 0 means world_size // (tp * pp)."""
+    micro_batch_size: int = 4
+    """Sequences per micro-batch through the pipeline schedule."""
+    timeout_minutes: float = 10.0
+    """Collective timeout, so a dead rank makes the others fail instead of hanging."""
+    seed: int = 1234
+    """Base seed for model init and dropout RNG streams."""
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 8
+    """Group size G: completions sampled per prompt."""
+    temperature: float = 1.0
+    """Sampling temperature (logprobs are taken from the processed distribution when != 1)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    top_k: int = -1
+    """Top-k sampling (-1 disables)."""
+    max_new_tokens: int = 16
+    """Longest response."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings."""
+    seed: int = 0
+    """Sampling seed; each step uses seed + step."""
+    engine_mode: str = "auto"
+    """``auto``, ``colocated`` (vLLM external_launcher in every rank) or ``process`` (child process)."""
+    gpu_memory_utilization: float = 0.3
+    """Fraction of GPU memory the engine may take (GPU only)."""
+    max_model_len: int = 256
+    """Engine context length (prompt + response)."""
+    sleep_between_rollouts: bool = True
+    """Free engine memory while training (GPU only; a logged no-op on CPU)."""
+
+
+@dataclass
+class RewardConfig:
+    functions: list[str] = field(default_factory=lambda: ["math_exact"])
+    """Reward functions by registry name or ``module:function``; scores are summed."""
+    weights: list[float] = field(default_factory=list)
+    """Per-function weights (default 1.0 each)."""
+    timeout_seconds: float = 10.0
+    """Per-sample scoring timeout."""
+    on_error: str = "stop"
+    """``stop`` raises on a failing reward; ``zero`` scores the sample 0 and counts it."""
+    num_workers: int = 1
+    """Scoring processes (0 scores inline)."""
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: str = "outcome"
+    """``outcome`` (group z-score) or ``process`` (per-step rewards)."""
+    norm: str = "std"
+    """Advantage normalisation: ``std`` (GRPO) or ``none`` (Dr. GRPO)."""
+    baseline: str = "mean"
+    """Advantage baseline: ``mean`` or ``loo`` (leave-one-out)."""
+    kl_coef: float = 0.04
+    """KL penalty coefficient; 0 disables the reference model entirely."""
+    kl_kind: str = "k3"
+    """KL estimator: k1, k2, k3, abs (aliases mse, low_var_kl)."""
+    clip_low: float = 0.2
+    """Lower PPO clip epsilon."""
+    clip_high: float = 0.2
+    """Upper PPO clip epsilon (clip-higher when > clip_low)."""
+    dual_clip: Optional[float] = None
+    """Dual-clip constant c (> 1) for negative advantages; null disables."""
+    loss_agg: str = "token-mean"
+    """token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
+    tis_cap: Optional[float] = None
+    """Truncated importance-sampling cap against rollout logprobs; null disables."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (DAPO)."""
+    ppo_epochs: int = 1
+    """Passes over the rollout batch per step."""
+    ref_reset_every: int = 0
+    """Reset the reference model to the policy every K steps (iterative GRPO); 0 never."""
+    steps: int = 50
+    """GRPO steps to run."""
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.999
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm (across TP/PP/DP) to this; 0 disables."""
+    warmup_steps: int = 0
+    """Linear warm-up steps."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over DP (GPU, megatron optimizer only)."""
+
+
+@dataclass
+class DataConfig:
+    train_path: Optional[str] = None
+    """JSONL or Parquet prompt file (null uses the built-in arithmetic task)."""
+    eval_path: Optional[str] = None
+    """Held-out prompt file for periodic evaluation."""
+    prompt_key: str = "prompt"
+    """Field holding the prompt text."""
+    answer_key: str = "answer"
+    """Field holding the reference answer."""
+    metadata_key: Optional[str] = None
+    """Optional field passed to reward functions."""
+    chat_template: bool = False
+    """Wrap prompts with the tokenizer's chat template."""
+    max_prompt_tokens: int = 128
+    """Longer prompts are skipped and counted, never truncated."""
+    prompts_per_step: int = 8
+    """Prompts per GRPO step (global, across DP)."""
+    mini_batch_size: int = 0
+    """Sequences per optimizer step; 0 means the whole step's batch."""
+    seed: int = 0
+    """Shuffle seed (order is a function of seed and epoch)."""
+    eval_every: int = 10
+    """Evaluate every N steps (0 disables)."""
+    eval_samples: int = 1
+    """Samples per eval prompt: 1 is greedy accuracy, k > 1 is pass@k at the rollout temperature."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Checkpoint directory (default ``<run_dir>/checkpoints``); re-running resumes from it."""
+    save_every: int = 0
+    """Save every N steps (0: only at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept on disk."""
+    offload_reference: bool = False
+    """Keep the reference model in CPU memory between uses (GPU only)."""
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/default"
+    """Directory for metrics.jsonl, TensorBoard events, plots and summary.json."""
+    tensorboard: bool = True
+    """Write TensorBoard events when tensorboard is installed."""
+    wandb: bool = False
+    """Log to Weights & Biases when installed."""
+    progress: bool = True
+    """Progress bars during rollout and training."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model shape and family."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """TP/PP/DP layout and micro-batching."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """vLLM sampling and engine placement."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Reward functions and their error policy."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """GRPO objective and schedule."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and gradient clipping."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt data and batch sizes."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint / resume."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics sinks."""
+
+
+# --------------------------------------------------------------------------- docs
+
+def field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings of a dataclass, read from its source."""
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    docs, body = {}, tree.body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                and isinstance(getattr(nxt, "value", None), ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = nxt.value.value
+    return docs
+
+
+def help_text() -> str:
+    lines = ["Config fields (override with --section.key=value):"]
+    for sec in dataclasses.fields(Config):
+        cls = sec.default_factory().__class__
+        docs = field_docs(cls)
+        lines.append(f"\n[{sec.name}]")
+        for f in dataclasses.fields(cls):
+            default = getattr(sec.default_factory(), f.name)
+            lines.append(f"  --{sec.name}.{f.name} (default {default!r}): {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ type coercion
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check/convert ``value`` to annotation ``tp``; strings from the CLI are parsed."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            return None
+        return _coerce(value, args[0], where)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def _section_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def apply_dict(cfg: Config, data: dict, source: str) -> Config:
+    """Merge a nested dict (from YAML) into ``cfg``; unknown keys are errors."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level must be a mapping of sections")
+    for sec_name, values in data.items():
+        if not hasattr(cfg, sec_name):
+            raise ConfigError(f"{source}: unknown section {sec_name!r}; known: "
+                              f"{[f.name for f in dataclasses.fields(Config)]}")
+        section = getattr(cfg, sec_name)
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: section {sec_name!r} must be a mapping")
+        types = _section_types(type(section))
+        for key, value in values.items():
+            if key not in types:
+                raise ConfigError(f"{source}: unknown field {sec_name}.{key}; known: {sorted(types)}")
+            setattr(section, key, _coerce(value, types[key], f"{sec_name}.{key} (in {source})"))
+    return cfg
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """``['--a.b=1', '--c.d', '2']`` -> ``[('a.b', '1'), ('c.d', '2')]``."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise ConfigError(f"unrecognised argument {arg!r}; overrides look like --section.key=value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{arg} needs a value (use {arg}=VALUE)")
+            key, value = arg[2:], args[i + 1]
+            i += 1
+        out.append((key, value))
+        i += 1
+    return out
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
+    for key, value in parse_overrides(overrides):
+        sec_name, _, name = key.partition(".")
+        section = getattr(cfg, sec_name, None)
+        if section is None or not dataclasses.is_dataclass(section):
+            raise ConfigError(f"--{key}: unknown section {sec_name!r}")
+        types = _section_types(type(section))
+        if name not in types:
+            raise ConfigError(f"--{key}: unknown field; {sec_name} has {sorted(types)}")
+        setattr(section, name, _coerce(value, types[name], f"{key} (from --{key})"))
+    return cfg
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:
+    """Defaults <- YAML file <- CLI overrides. Does not validate the layout."""
+    cfg = Config()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {path!r} does not exist (--config)")
+        apply_dict(cfg, yaml.safe_load(p.read_text()) or {}, str(p))
+    return apply_overrides(cfg, list(overrides or []))
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+# -------------------------------------------------------------------- validation
+
+CHOICES = {
+    ("model", "family"): ("llama", "qwen2", "qwen3"),
+    ("model", "dtype"): ("float32", "bfloat16"),
+    ("rollout", "engine_mode"): ("auto", "colocated", "process"),
+    ("reward", "on_error"): ("stop", "zero"),
+    ("algorithm", "advantage"): ("outcome", "process"),
+    ("algorithm", "norm"): ("std", "none"),
+    ("algorithm", "baseline"): ("mean", "loo"),
+    ("algorithm", "kl_kind"): ("k1", "k2", "k3", "abs", "mse", "low_var_kl", "full"),
+    ("algorithm", "loss_agg"): ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                "seq-mean-token-sum-norm"),
+}
+
+
+def _te_importable() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001 - the CPU meta package raises RuntimeError, not ImportError
+        return False
+
+
+def derived_dp(cfg: Config, world_size: int) -> int:
+    mp = cfg.parallel.tp * cfg.parallel.pp
+    return cfg.parallel.dp or max(world_size // mp, 1)
+
+
+def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: bool = True) -> Config:
+    """Raise ConfigError naming the field and its fix; call before any process group."""
+    m, p, r, a, d, o = cfg.model, cfg.parallel, cfg.rollout, cfg.algorithm, cfg.data, cfg.optimizer
+    for (sec, name), allowed in CHOICES.items():
+        value = getattr(getattr(cfg, sec), name)
+        if value not in allowed:
+            raise ConfigError(f"{sec}.{name}={value!r} is not one of {allowed} (--{sec}.{name})")
+    positive = [("parallel", "tp"), ("parallel", "pp"), ("parallel", "micro_batch_size"),
+                ("model", "hidden_size"), ("model", "num_layers"), ("model", "num_attention_heads"),
+                ("model", "num_query_groups"), ("model", "vocab_size"), ("model", "ffn_hidden_size"),
+                ("rollout", "n"), ("rollout", "max_new_tokens"), ("data", "prompts_per_step"),
+                ("algorithm", "ppo_epochs")]
+    for sec, name in positive:
+        if getattr(getattr(cfg, sec), name) < 1:
+            raise ConfigError(f"{sec}.{name} must be >= 1, got {getattr(getattr(cfg, sec), name)} (--{sec}.{name})")
+    if m.num_attention_heads % p.tp:
+        raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                          f"parallel.tp={p.tp}; choose a tp that divides it (--parallel.tp)")
+    if m.num_query_groups % p.tp:
+        raise ConfigError(f"model.num_query_groups={m.num_query_groups} is not divisible by "
+                          f"parallel.tp={p.tp}; choose a tp that divides it (--parallel.tp)")
+    if m.num_attention_heads % m.num_query_groups:
+        raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} must be a multiple of "
+                          f"model.num_query_groups={m.num_query_groups}")
+    if m.num_layers % p.pp:
+        raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by parallel.pp={p.pp} "
+                          f"(--parallel.pp)")
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by "
+                          f"model.num_attention_heads={m.num_attention_heads}; set --model.head_dim")
+    if m.ffn_hidden_size % p.tp:
+        raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}")
+    if a.clip_low < 0 or a.clip_high < 0:
+        raise ConfigError("algorithm.clip_low/clip_high must be >= 0")
+    if a.dual_clip is not None and a.dual_clip <= 1:
+        raise ConfigError(f"algorithm.dual_clip={a.dual_clip} must be > 1 (--algorithm.dual_clip)")
+    if a.tis_cap is not None and a.tis_cap <= 0:
+        raise ConfigError(f"algorithm.tis_cap={a.tis_cap} must be > 0 (--algorithm.tis_cap)")
+    if a.kl_coef < 0:
+        raise ConfigError(f"algorithm.kl_coef={a.kl_coef} must be >= 0 (--algorithm.kl_coef)")
+    if o.lr <= 0:
+        raise ConfigError(f"optimizer.lr={o.lr} must be > 0 (--optimizer.lr)")
+    if r.temperature < 0:
+        raise ConfigError(f"rollout.temperature={r.temperature} must be >= 0")
+    if r.max_model_len < d.max_prompt_tokens + r.max_new_tokens:
+        raise ConfigError(f"rollout.max_model_len={r.max_model_len} < data.max_prompt_tokens + "
+                          f"rollout.max_new_tokens = {d.max_prompt_tokens + r.max_new_tokens} "
+                          f"(--rollout.max_model_len)")
+    if m.max_position_embeddings < d.max_prompt_tokens + r.max_new_tokens:
+        raise ConfigError(f"model.max_position_embeddings={m.max_position_embeddings} is shorter "
+                          f"than prompt + response budget {d.max_prompt_tokens + r.max_new_tokens}")
+
+    if world_size is not None:
+        mp = p.tp * p.pp
+        if world_size % mp:
+            raise ConfigError(f"world size {world_size} is not divisible by parallel.tp*parallel.pp="
+                              f"{mp}; launch a multiple of {mp} ranks or change --parallel.tp/--parallel.pp")
+        dp = derived_dp(cfg, world_size)
+        if p.dp and p.dp * mp != world_size:
+            raise ConfigError(f"parallel.dp={p.dp} x tp={p.tp} x pp={p.pp} = {p.dp * mp} != world size "
+                              f"{world_size}; set --parallel.dp=0 to derive it")
+    else:
+        dp = p.dp or 1
+    # Batch arithmetic: samples per step split into mini-batches (optimizer steps),
+    # each split over DP ranks and then into micro-batches.
+    samples = d.prompts_per_step * r.n
+    mini = d.mini_batch_size or samples
+    if samples % mini:
+        raise ConfigError(f"data.prompts_per_step*rollout.n = {samples} samples is not divisible by "
+                          f"data.mini_batch_size={mini} (--data.mini_batch_size)")
+    if mini % (dp * p.micro_batch_size):
+        raise ConfigError(f"mini-batch of {mini} samples cannot split into dp={dp} x "
+                          f"parallel.micro_batch_size={p.micro_batch_size}; make "
+                          f"--parallel.micro_batch_size divide {mini // dp if mini % dp == 0 else mini}"
+                          f" per DP rank")
+    if d.prompts_per_step % dp:
+        raise ConfigError(f"data.prompts_per_step={d.prompts_per_step} is not divisible by dp={dp} "
+                          f"(--data.prompts_per_step)")
+
+    if check_hardware and m.fp8:
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError("model.fp8=true needs a CUDA GPU, and none is available (--model.fp8=false)")
+        if not _te_importable():
+            raise ConfigError("model.fp8=true needs Transformer Engine, which does not import here; "
+                              "install the gpu extra or set --model.fp8=false")
+    if m.dtype == "bfloat16" and check_hardware:
+        pass  # bf16 on CPU is slow but correct; allowed.
+    return cfg
+
+
+def cli_config(argv: Optional[list[str]] = None) -> Config:
+    """Parse ``[--config FILE] [--section.key=value ...]``; ``--help`` lists all fields."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print("usage: [--config FILE.yaml] [--section.key=value ...]\n")
+        print(help_text())
+        raise SystemExit(0)
+    path = None
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise ConfigError("--config needs a file path")
+        path = argv[i + 1]
+        del argv[i:i + 2]
+    else:
+        for i, a in enumerate(argv):
+            if a.startswith("--config="):
+                path = a.split("=", 1)[1]
+                del argv[i]
+                break
+    return load_config(path, argv)

@@ -1,0 +1,152 @@
+"""Actor and reference megatron-core GPTModels for the Llama / Qwen2 families.
+
+Both are built from ``ModelConfig`` for this rank's pipeline stage and TP shard:
+RMSNorm, SwiGLU, RoPE (configurable base), GQA, optional QKV bias, tied or
+untied embeddings, vocabulary padded for TP. The Transformer Engine layer spec
+is used when TE imports cleanly (and a GPU is present); otherwise the local spec.
+
+Logits come out vocab-parallel (``[b, s, V_pad/tp]``); the loss never gathers
+them. Padded vocabulary columns are masked with ``mask_vocab_padding`` because
+megatron's padding rows would otherwise enter the softmax denominator and shift
+every log-prob away from what vLLM (which has no padding) samples with.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from grpo_mega.config import ModelConfig
+from grpo_mega.parallel import ParallelState
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def te_available() -> bool:
+    """True when Transformer Engine's torch module imports. Any exception means absent:
+    the CPU meta package raises RuntimeError rather than ImportError."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's padding: round up to a multiple of ``divisible_by * tp``."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def head_dim(m: ModelConfig) -> int:
+    return m.head_dim or m.hidden_size // m.num_attention_heads
+
+
+def transformer_config(m: ModelConfig, ps: ParallelState, *, use_te: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = _DTYPES[m.dtype]
+    cpu = ps.device.type == "cpu"
+    kwargs = dict(
+        num_layers=m.num_layers, hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+        kv_channels=head_dim(m), ffn_hidden_size=m.ffn_hidden_size,
+        tensor_model_parallel_size=ps.tp, pipeline_model_parallel_size=ps.pp,
+        normalization="RMSNorm", layernorm_epsilon=m.norm_eps,
+        gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=m.qkv_bias,
+        qk_layernorm=(m.family == "qwen3"),
+        hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=(dtype == torch.bfloat16),
+        use_cpu_initialization=cpu,
+        # Fused kernels are CUDA-only; on GPU megatron picks its own defaults.
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        # Our loss is already normalised by the global token count; stop the schedule
+        # from dividing it again by num_microbatches.
+        calculate_per_token_loss=True,
+        deallocate_pipeline_outputs=False,
+    )
+    if m.fp8:
+        if not use_te:
+            raise ValueError("model.fp8=true needs Transformer Engine on a GPU (--model.fp8=false)")
+        kwargs.update(fp8="hybrid", fp8_recipe="delayed")
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(m: ModelConfig, use_te: bool):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    qk_norm = m.family == "qwen3"
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    return specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+
+
+def build_model(m: ModelConfig, ps: ParallelState, *, frozen: bool = False,
+                use_te: Optional[bool] = None):
+    """This rank's stage of a GPTModel. ``frozen`` makes a reference model: eval mode,
+    no gradients, never handed to an optimizer."""
+    from megatron.core.models.gpt import GPTModel
+
+    if use_te is None:
+        use_te = ps.device.type == "cuda" and te_available()
+    cfg = transformer_config(m, ps, use_te=use_te)
+    model = GPTModel(
+        config=cfg, transformer_layer_spec=layer_spec(m, use_te),
+        vocab_size=padded_vocab_size(m.vocab_size, ps.tp, m.make_vocab_size_divisible_by),
+        max_sequence_length=m.max_position_embeddings,
+        pre_process=ps.is_first_stage, post_process=ps.is_last_stage,
+        parallel_output=True, share_embeddings_and_output_weights=m.tie_embeddings,
+        position_embedding_type="rope", rotary_base=int(m.rope_theta),
+    )
+    model.to(ps.device)
+    model.grpo_vocab_size = m.vocab_size
+    if frozen:
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return model
+
+
+def mask_vocab_padding(logits_shard: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
+    """Push padded vocabulary columns of this shard to a huge negative value.
+
+    logits_shard: [..., V_pad/tp]. A finite value (not -inf) keeps p*log p == 0
+    in entropy and KL instead of 0 * -inf = NaN.
+    """
+    shard = logits_shard.shape[-1]
+    start = tp_rank * shard
+    if start + shard <= vocab_size:
+        return logits_shard
+    keep = (torch.arange(start, start + shard, device=logits_shard.device) < vocab_size)
+    return logits_shard.masked_fill(~keep, -1e9 if logits_shard.dtype == torch.float32 else -1e4)
+
+
+def causal_mask(seq_len: int, device) -> torch.Tensor:
+    """Megatron's boolean mask convention: True means *masked*. Shape [1, 1, s, s]."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), 1)[None, None]
+
+
+def forward_logits(model, tokens: torch.Tensor, input_tensor: Optional[torch.Tensor] = None):
+    """One stage's forward on ``tokens: [b, s]`` (position ids 0..s-1).
+
+    Returns vocab-parallel logits ``[b, s, V_pad/tp]`` on the last stage and the hidden
+    states ``[s, b, h]`` elsewhere. Right padding is safe under a causal mask.
+    """
+    b, s = tokens.shape
+    pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    if input_tensor is not None:
+        model.set_input_tensor(input_tensor)
+    return model(tokens, pos, causal_mask(s, tokens.device))
+
+
+def offload(model, device: torch.device) -> None:
+    """Move a frozen model's parameters (GPU <-> CPU) between uses to free GPU memory."""
+    for p in model.parameters():
+        p.data = p.data.to(device, non_blocking=True)
