@@ -161,6 +161,14 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     return dt
 
 
+def _sub_into(a: Tensor, b: Tensor, out: Tensor) -> Tensor:
+    """out = a - b computed in out's dtype (bf16 - bf16 would round in bf16)."""
+    if a.dtype != out.dtype and b.dtype != out.dtype:
+        out.copy_(b)
+        b = out
+    return torch.sub(a, b, out=out)
+
+
 def _flat(logits: Tensor) -> Tensor:
     # contiguous() once here, so every later reshape is a view, never a copy.
     return logits.contiguous().view(-1, logits.shape[-1])
@@ -283,7 +291,7 @@ class _VocabParallelKL(torch.autograd.Function):
             stats[0, s:e] = ez.sum(dim=-1)
             tmp = torch.sub(y[s:e], my[s:e, None]).exp_()
             stats[1, s:e] = tmp.sum(dim=-1)
-            torch.sub(z[s:e], y[s:e], out=tmp)
+            _sub_into(z[s:e], y[s:e], tmp)
             stats[2, s:e] = tmp.mul_(ez).sum(dim=-1)
         _all_reduce(stats, dist.ReduceOp.SUM, group)
 
@@ -308,7 +316,7 @@ class _VocabParallelKL(torch.autograd.Function):
         for s, e in _chunks(z.shape[0], ctx.chunk_size):
             out = grad[s:e]
             buf = out if out.dtype == cdt else torch.empty(out.shape, dtype=cdt, device=z.device)
-            torch.sub(z[s:e], y[s:e], out=buf).sub_(offset[s:e, None])
+            _sub_into(z[s:e], y[s:e], buf).sub_(offset[s:e, None])
             p = torch.sub(z[s:e], mz[s:e, None]).exp_().mul_(coef[s:e])
             buf.mul_(p)
             if buf is not out:
@@ -574,9 +582,9 @@ KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": _k1, "k2": _k2, "k
 KL_ALIASES: dict[str, str] = {"mse": "k2", "low_var_kl": "k3"}
 
 
-def _kl_estimator(kind: str) -> Callable[[Tensor], Tensor]:
+def _kl_estimator(kind: str, arg: str = "kind") -> Callable[[Tensor], Tensor]:
     names = {**KL_ESTIMATORS, **{a: KL_ESTIMATORS[k] for a, k in KL_ALIASES.items()}}
-    return _lookup(names, kind, "kind")
+    return _lookup(names, kind, arg)
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str, *,
@@ -815,7 +823,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         raise ValueError("tis_cap needs rollout_logp")
     if kl_coef != 0 and ref_logp is None:
         raise ValueError(f"ref_logp is required when kl_coef={kl_coef!r} is nonzero")
-    _kl_estimator(kl_kind)  # fail on a bad name even when the KL term is off
+    kl_fn = _kl_estimator(kl_kind, "kl_kind")  # fail on a bad name even when the KL term is off
     _lookup(AGGREGATIONS, agg, "agg")
 
     mask = _as_bool_mask(mask)
@@ -858,7 +866,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     if ref_logp is not None:
         # Same zero-at-padding guard as the ratio: k3 is exponential in -x.
         ref_log_ratio = torch.where(mask, logp - ref_logp.detach(), torch.zeros_like(logp))
-        kl = _kl_estimator(kl_kind)(ref_log_ratio)
+        kl = kl_fn(ref_log_ratio)
         metrics["kl"] = _masked_mean(kl.detach(), mask)
         if kl_coef != 0:
             kl_loss = aggregate(kl, mask, agg, **counts)
