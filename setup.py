@@ -12,7 +12,7 @@ setup(
     version="0.1.0",
     description="Megatron-style model-parallel GRPO trainer",
     packages=find_packages(include=["grpo_mega", "grpo_mega.*"]),
-    package_data={"grpo_mega": ["configs/*.yaml"]},
+    package_data={"grpo_mega": ["configs/*.yaml", "assets/demo_v1/*", "assets/demo_v1/*/*"]},
     python_requires=">=3.10",
     install_requires=[
         "torch==2.13.0",
