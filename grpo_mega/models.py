@@ -13,6 +13,7 @@ every log-prob away from what vLLM (which has no padding) samples with.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional
 
 import torch
@@ -37,8 +38,14 @@ def te_available() -> bool:
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    """Megatron's padding: round up to a multiple of ``divisible_by * tp``."""
-    multiple = divisible_by * tp
+    """Round up to a multiple of ``divisible_by * lcm(tp, 8)``.
+
+    Megatron pads to ``divisible_by * tp``, which makes the padded embedding's
+    shape depend on TP, so a distributed checkpoint saved at TP=1 would not load
+    at TP=2. Using lcm(tp, 8) keeps the shape equal for every tp in 1, 2, 4, 8
+    (and for Llama-3's vocab at tp=8 it is exactly megatron's own padding).
+    """
+    multiple = divisible_by * math.lcm(tp, 8)
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
