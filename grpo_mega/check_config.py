@@ -18,7 +18,7 @@ The budget is an estimate for the worst pipeline stage of one GPU, in GiB:
 
 * parameters: counted from the model shape (embedding, QKV(+bias), output projection,
   SwiGLU fc1 [gate; up] and fc2, RMSNorms, untied output layer), vocabulary padded
-  the megatron way; matrices are split over TP, norms are replicated.
+  as the model builder pads it; matrices are split over TP, norms are replicated.
 * weights in ``model.dtype``; gradients in fp32 (megatron's main grads); Adam m and v in
   fp32 plus an fp32 master copy when the weights are bf16 (12 B/param), divided over DP
   with ``optimizer.use_distributed_optimizer``; a frozen reference copy when
@@ -56,8 +56,10 @@ _BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def padded_vocab(vocab_size: int, tp: int, divisible_by: int) -> int:
-    """Megatron's vocabulary padding (same rule as ``models.padded_vocab_size``)."""
-    multiple = divisible_by * tp
+    """The model builder's vocabulary padding, ``models.padded_vocab_size`` (a multiple of
+    ``divisible_by * lcm(tp, 8)``), restated here because models imports torch; a test
+    keeps the two equal."""
+    multiple = divisible_by * math.lcm(tp, 8)
     return -(-vocab_size // multiple) * multiple
 
 
@@ -245,7 +247,8 @@ def report(cfg: Config, layout: Layout, budget: Budget, source: str = "") -> str
     m, p, r = cfg.model, cfg.parallel, cfg.rollout
     pc = count_params(m, layout.tp, layout.pp)
     tp_in_node = layout.gpus_per_node % layout.tp == 0
-    mode = r.engine_mode if r.engine_mode != "auto" else "auto (colocated on GPU)"
+    mode = {"auto": "auto (colocated on GPU)", "external_launcher": "external_launcher (colocated in every rank)",
+            "colocated": "colocated in every rank"}.get(r.engine_mode, r.engine_mode)
     lines = [
         f"config: {source or '(defaults)'}",
         f"model: {m.family}, {pc.total / 1e9:.2f}B parameters, hidden {m.hidden_size}, "

@@ -95,7 +95,7 @@ is_uint "$NPROC_PER_NODE" && (( NPROC_PER_NODE >= 1 )) \
 is_uint "$NODE_RANK" && (( NODE_RANK < NNODES )) \
     || die "NODE_RANK=$NODE_RANK must be an integer in 0..$((NNODES - 1)) (NNODES=$NNODES)"
 if (( NNODES > 1 )); then
-    [[ -n ${MASTER_ADDR:-} ]] || die "MASTER_ADDR is not set: with NNODES=$NNODES every node needs" \
+    [[ -n ${MASTER_ADDR:-} || $MODE == check-config ]] || die "MASTER_ADDR is not set: with NNODES=$NNODES every node needs" \
         "the address of node 0 (e.g. MASTER_ADDR=\$(scontrol show hostnames \"\$SLURM_JOB_NODELIST\" | head -n1))"
     MASTER_PORT=${MASTER_PORT:-29500}
 else
