@@ -34,7 +34,10 @@ class ModelConfig:
     family: str = "qwen2"
     """Model family: ``llama`` or ``qwen2`` (``qwen3`` adds QK-norm). Picks the HF mapping table."""
     hf_checkpoint: Optional[str] = None
-    """HF checkpoint directory to start from (shapes are then read from its config.json)."""
+    """HF checkpoint directory: the rollout engine loads it, and its config.json sets the shape."""
+    init_checkpoint: Optional[str] = None
+    """megatron-core checkpoint (tools/convert_checkpoint.py hf-to-mcore) to initialise the
+    trainer from; null loads the HF checkpoint's weights directly."""
     vocab_size: int = 32000
     """Tokenizer vocabulary size (before padding for TP)."""
     hidden_size: int = 128
@@ -100,18 +103,22 @@ class RolloutConfig:
     seed: int = 0
     """Sampling seed; each step uses seed + step."""
     engine_mode: str = "auto"
-    """``auto``, ``colocated`` (vLLM external_launcher in every rank) or ``process`` (child process)."""
+    """``auto``, ``external_launcher`` (colocated in every rank), ``child`` (own process) or ``inprocess``."""
     gpu_memory_utilization: float = 0.3
     """Fraction of GPU memory the engine may take (GPU only)."""
     max_model_len: int = 256
     """Engine context length (prompt + response)."""
     sleep_between_rollouts: bool = True
     """Free engine memory while training (GPU only; a logged no-op on CPU)."""
+    verify_sync: bool = True
+    """Check after every weight sync that the engine holds the trainer's weights."""
+    sync_bucket_mb: float = 256.0
+    """Weight-sync bucket size (peak extra memory is about one bucket)."""
 
 
 @dataclass
 class RewardConfig:
-    functions: list[str] = field(default_factory=lambda: ["math_exact"])
+    functions: list[str] = field(default_factory=lambda: ["math"])
     """Reward functions by registry name or ``module:function``; scores are summed."""
     weights: list[float] = field(default_factory=list)
     """Per-function weights (default 1.0 each)."""
@@ -153,6 +160,8 @@ class AlgorithmConfig:
     """Reset the reference model to the policy every K steps (iterative GRPO); 0 never."""
     steps: int = 50
     """GRPO steps to run."""
+    time_limit_minutes: float = 0.0
+    """Stop early (checkpoint, evaluate, summarise) once this much wall time has passed; 0: no limit."""
 
 
 @dataclass
@@ -187,8 +196,9 @@ class DataConfig:
     """Field holding the reference answer."""
     metadata_key: Optional[str] = None
     """Optional field passed to reward functions."""
-    chat_template: bool = False
-    """Wrap prompts with the tokenizer's chat template."""
+    chat_template: Optional[str] = None
+    """null: raw prompt; ``tokenizer``: the tokenizer's chat template; a Jinja template; or
+    a format string with ``{prompt}``."""
     max_prompt_tokens: int = 128
     """Longer prompts are skipped and counted, never truncated."""
     prompts_per_step: int = 8
@@ -405,7 +415,7 @@ def to_dict(cfg: Config) -> dict:
 CHOICES = {
     ("model", "family"): ("llama", "qwen2", "qwen3"),
     ("model", "dtype"): ("float32", "bfloat16"),
-    ("rollout", "engine_mode"): ("auto", "colocated", "process"),
+    ("rollout", "engine_mode"): ("auto", "external_launcher", "child", "inprocess"),
     ("reward", "on_error"): ("stop", "zero"),
     ("algorithm", "advantage"): ("outcome", "process"),
     ("algorithm", "norm"): ("std", "none"),

@@ -1,0 +1,101 @@
+"""One metrics sink: console progress line, metrics.jsonl, TensorBoard, optional wandb,
+and at the end a PNG plot and summary.json in the run directory.
+
+Only the logging rank creates a sink; others get ``None`` and log nothing.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+CONSOLE_KEYS = [  # (metric, label, format)
+    ("reward_mean", "reward", "{:.3f}"), ("reward_std", "±", "{:.3f}"), ("accuracy", "acc", "{:.2f}"),
+    ("kl", "kl", "{:.4f}"), ("entropy", "ent", "{:.3f}"), ("clipfrac", "clip", "{:.3f}"),
+    ("response_len", "len", "{:.1f}"), ("rollout_logp_gap", "gap", "{:.1e}"),
+    ("tokens_per_s", "tok/s", "{:.0f}"),
+]
+
+
+class MetricsSink:
+    def __init__(self, run_dir: str, *, tensorboard: bool = True, wandb: bool = False,
+                 total_steps: int = 0, config: Optional[dict] = None):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = open(self.dir / "metrics.jsonl", "a")
+        self.total = total_steps
+        self.history: list[dict] = []
+        self.tb = self.wb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+            except Exception:  # noqa: BLE001 - tensorboard is optional
+                self.tb = None
+        if wandb:
+            try:
+                import wandb as _wandb
+                self.wb = _wandb.init(project="grpo-mega", dir=str(self.dir), config=config or {})
+            except Exception as e:  # noqa: BLE001 - wandb is optional
+                print(f"[metrics] wandb unavailable ({e}); continuing without it", flush=True)
+
+    def log(self, step: int, metrics: dict, *, console: bool = True) -> None:
+        row = {"step": step, "time": time.time(), **metrics}
+        self.history.append(row)
+        self.jsonl.write(json.dumps(row) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, step)
+        if self.wb is not None:
+            self.wb.log(metrics, step=step)
+        if console:
+            print(self.format_line(step, metrics), flush=True)
+
+    def format_line(self, step: int, m: dict) -> str:
+        width = len(str(self.total or step))
+        parts = [f"step {step:>{width}}/{self.total}" if self.total else f"step {step}"]
+        for key, label, fmt in CONSOLE_KEYS:
+            if key in m:
+                parts.append(f"{label} {fmt.format(m[key])}" if label != "±" else f"± {fmt.format(m[key])}")
+        stages = " ".join(f"{k[5:]} {v:.2f}" for k, v in m.items() if k.startswith("time/"))
+        if stages:
+            parts.append(f"| s: {stages}")
+        if "eval_accuracy" in m:
+            parts.append(f"| EVAL acc {m['eval_accuracy']:.1%}")
+        return "  ".join(parts)
+
+    def finish(self, summary: dict) -> dict:
+        """Write summary.json and the reward / eval-accuracy plot; returns the summary."""
+        (self.dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        try:
+            self._plot()
+        except Exception as e:  # noqa: BLE001 - a missing matplotlib must not lose the run
+            print(f"[metrics] plot skipped: {e}", flush=True)
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        return summary
+
+    def _plot(self) -> None:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = [r for r in self.history if "reward_mean" in r]
+        evals = [r for r in self.history if "eval_accuracy" in r]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], label="train reward (T=1)",
+                alpha=0.6)
+        ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-",
+                label="held-out accuracy (greedy)")
+        ax.set_xlabel("GRPO step")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        ax.set_title("grpo-mega: reward and held-out accuracy")
+        fig.tight_layout()
+        fig.savefig(self.dir / "reward.png", dpi=110)
+        plt.close(fig)
