@@ -370,7 +370,7 @@ def _ensure_slurm_installed() -> None:
     if not shutil.which("apt-get"):
         pytest.skip(f"Slurm binaries {missing} are not installed and apt-get is not available")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *SLURM_PACKAGES]
+    cmd = ["apt-get", "install", "-y", "-q", *SLURM_PACKAGES]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if r.returncode != 0:  # stale package lists: refresh once
         subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=300)
