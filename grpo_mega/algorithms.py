@@ -24,13 +24,16 @@ Why
     ``exp(z - logZ)`` on a shard instead would miss the cross-shard terms of
     d logZ / dz and give wrong gradients at TP > 1 while passing at TP = 1.
 
-    Memory: the forward saves the input logits (no copy) and O(tokens) stats.
-    The backward writes into the gradient buffer (the one shard-sized buffer)
-    and, for the KL only, one temporary bounded by the chunk. ``chunk_size``
-    (tokens per chunk) bounds every other temporary, forward and backward, so
-    peak extra memory scales with ``chunk_size x V/tp``, not ``tokens x V/tp``.
-    Reduced precision (bf16/fp16) logits are upcast to fp32 one chunk at a time;
-    results are fp32, gradients come back in the logits' dtype.
+    Memory: the forward saves the input logits (a reference, no copy; logp,
+    entropy and KL of the same logits share it) and O(tokens) statistics. The
+    backward computes in place in the gradient it returns, the one shard-sized
+    buffer; the only other temporaries are one [chunk, V/tp] buffer for the KL
+    backward and, for bf16/fp16 logits, one fp32 [chunk, V/tp] buffer. The
+    forward's temporaries are [chunk, V/tp] too. ``chunk_size`` (tokens per
+    chunk; None = all tokens at once) therefore bounds peak extra memory at
+    one shard plus O(chunk_size x V/tp), not tokens x vocab; chunking changes
+    no result bit (tested). bf16/fp16 logits are upcast one chunk at a time;
+    results are fp32 and gradients come back in the logits' dtype.
 
 Conventions
     * Process groups are arguments (``tp_group=None`` means a single rank); the
@@ -178,8 +181,8 @@ def _flat(logits: Tensor) -> Tensor:
 # vocab-parallel log-probs, entropy, KL
 # ---------------------------------------------------------------------------
 
-# Precision: the per-row statistics are kept as (max m, log S) and combined in
-# fp64. Folding them into one fp32 logZ = m + log S would round at ulp(|logZ|)
+# Precision: the per-row statistics are kept as (max m, sum S) and combined in
+# fp64 (O(tokens) work). Folding them into one fp32 logZ = m + log S would round at ulp(|logZ|)
 # (~1e-6 for logits of a few units) and that error lands on every output and
 # gradient; (z - m) is exact for the tokens that dominate the softmax.
 

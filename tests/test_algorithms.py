@@ -1,9 +1,10 @@
 """Tests for grpo_mega.algorithms: exactness at TP=1/2/4, global normalisation, edge cases.
 
 Multi-rank checks run on real gloo ranks (tests/distributed.py). Each launch
-costs seconds, so one launch per world size runs every check for it and
-returns {check name: None if it passed, else the failure message}; the small
-tests below each assert one entry. TP=1 runs in-process with tp_group=None.
+costs seconds, so ONE launch of 4 ranks runs every multi-rank check (TP=4 on
+the world; TP=2, DP=2, TP2xDP2 and 1-rank groups on subgroups) and returns
+{check name: None if it passed, else the failure message}; the small tests
+below each assert one entry. TP=1 runs in-process with tp_group=None.
 
     OMP_NUM_THREADS=1 python -m pytest -q tests/test_algorithms.py
 
@@ -238,18 +239,18 @@ def _batch_case(seed=1, rows=8, cols=7):
                 advantages=torch.randn(rows, generator=g), mask=mask)
 
 
-def _dp_checks(rank, world, dp_group) -> dict:
-    """DP=world, 2 micro-batches per rank vs one rank with the whole batch."""
+def _dp_checks(dp_group) -> dict:
+    """DP=2, 2 micro-batches per rank, vs one rank with the whole batch."""
     c = _batch_case()
     res = {}
-    per = c["logp"].shape[0] // world
+    per = c["logp"].shape[0] // dist.get_world_size(dp_group)
+    lo = dist.get_rank(dp_group) * per
     for mode in MODES:
         whole = c["logp"].clone().requires_grad_()
         loss_whole = _split_loss(whole, c, mode, [slice(None)], None)
         loss_whole.backward()
 
         leaf = c["logp"].clone().requires_grad_()
-        lo = rank * per
         mbs = [slice(lo, lo + per // 2), slice(lo + per // 2, lo + per)]
         loss = _split_loss(leaf, c, mode, mbs, dp_group)
         loss.backward()
@@ -261,12 +262,9 @@ def _dp_checks(rank, world, dp_group) -> dict:
     return res
 
 
-def _tp2dp2_checks(rank) -> dict:
+def _tp2dp2_checks(tp_group, dp_group) -> dict:
     """TP=2 x DP=2, one row per micro-batch, vs the fp64 full-vocab whole-batch loss."""
-    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    tp_group, dp_group = tp_groups[rank // 2], dp_groups[rank % 2]
-    dp_rank = rank // 2
+    dp_rank = dist.get_rank(dp_group)
     c = _case()
     res = {}
     z = c["logits"].double().requires_grad_()
@@ -291,11 +289,10 @@ def _tp2dp2_checks(rank) -> dict:
     return res
 
 
-def _real_group_of_one_checks(rank) -> dict:
+def _real_group_of_one_checks(group) -> dict:
     """A real process group of size 1 must behave exactly like tp_group=None."""
-    groups = [dist.new_group([0]), dist.new_group([1])]
     c = _case()
-    a = _ours(c["logits"], c["ref_logits"], c, groups[rank])
+    a = _ours(c["logits"], c["ref_logits"], c, group)
     b = _ours(c["logits"], c["ref_logits"], c, None)
     res = {}
     for name in a:
@@ -308,21 +305,28 @@ def _prefixed(prefix, d):
     return {f"{prefix}/{k}": v for k, v in d.items()}
 
 
+WORLD = 4  # one launch: TP=4 on the world, TP=2 / DP=2 / size-1 groups inside it
+
+
 def _rank_checks(rank, world):
-    res = _prefixed("tp", _tp_checks(dist.group.WORLD))
-    if world == 2:
-        res.update(_prefixed("dp", _dp_checks(rank, world, dist.group.WORLD)))
-        res.update(_prefixed("group1", _real_group_of_one_checks(rank)))
-    if world == 4:
-        res.update(_prefixed("tp2dp2", _tp2dp2_checks(rank)))
+    assert world == WORLD
+    # Every rank creates every group, in the same order (torch.distributed's rule).
+    tp2 = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    dp2 = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    single = [dist.new_group([r]) for r in range(world)][rank]
+    res = _prefixed("tp4", _tp_checks(dist.group.WORLD))
+    res.update(_prefixed("tp2", _tp_checks(tp2)))
+    res.update(_prefixed("dp", _dp_checks(dp2)))
+    res.update(_prefixed("tp2dp2", _tp2dp2_checks(tp2, dp2)))
+    res.update(_prefixed("group1", _real_group_of_one_checks(single)))
     return res
 
 
 @functools.lru_cache(maxsize=None)
-def _launch_once(world: int):
+def _launch_once():
     """(merged results, None) or (None, failure text); a failed launch is not retried."""
     try:
-        per_rank = run_ranks(world, _rank_checks)
+        per_rank = run_ranks(WORLD, _rank_checks)
     except AssertionError as e:
         return None, str(e)
     merged: dict = {}
@@ -333,8 +337,8 @@ def _launch_once(world: int):
     return merged, None
 
 
-def _launch(world: int) -> dict:
-    merged, error = _launch_once(world)
+def _launch() -> dict:
+    merged, error = _launch_once()
     assert error is None, error
     return merged
 
@@ -353,11 +357,11 @@ def _ok(results, *names):
 def tp(request):
     if request.param == 1:
         return _tp_checks(None)
-    return _section(_launch(request.param), "tp")
+    return _section(_launch(), f"tp{request.param}")
 
 
 # ---------------------------------------------------------------------------
-# TP = 1, 2, 4 exactness (one launch per world size)
+# TP = 1, 2, 4 exactness (one shared launch)
 # ---------------------------------------------------------------------------
 
 def test_targets_fall_in_every_shard(tp):
@@ -433,21 +437,21 @@ def test_target_range_is_checked_against_global_vocab(tp):
 def test_dp2_microbatch_split_matches_whole_batch_every_agg_mode():
     """Guards against per-micro-batch or per-rank means: with global counts, DP=2
     x 2 micro-batches must equal one rank with the whole batch, for every mode."""
-    res = _section(_launch(2), "dp")
+    res = _section(_launch(), "dp")
     _ok(res, *[f"dp_{k}_{m}" for m in MODES for k in ("loss", "grad")])
 
 
 def test_tp2_dp2_loss_and_grads_match_fp64_whole_batch():
     """Guards the composition TP x DP x micro-batches (groups passed in, counts
     reduced over DP only) against the fp64 single-process loss."""
-    res = _section(_launch(4), "tp2dp2")
+    res = _section(_launch(), "tp2dp2")
     _ok(res, *[f"{k}_{m}" for m in ("token-mean", "seq-mean-token-mean") for k in ("loss", "grad")])
 
 
 def test_real_group_of_size_one_equals_none():
     """Guards against code paths that differ between tp_group=None and a real
     1-rank group (e.g. wrong rank offset or skipped reductions)."""
-    res = _section(_launch(2), "group1")
+    res = _section(_launch(), "group1")
     _ok(res, *[f"{n}_{k}" for n in ("logprobs", "entropy", "kl") for k in ("value", "grad")])
 
 
