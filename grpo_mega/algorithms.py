@@ -335,6 +335,8 @@ def vocab_parallel_logprobs(logits_shard: Tensor, targets: Tensor, tp_group=None
         logits_shard: [..., V/tp] this rank's vocab slice (rank r holds ids
             [r*V/tp, (r+1)*V/tp)). Any float dtype; bf16/fp16 are upcast to fp32.
         targets: [...] GLOBAL token ids in [0, V), same leading shape as the logits.
+            Padding positions need a valid id (e.g. 0, not -100); mask their
+            log-probs afterwards (``policy_loss`` / ``aggregate`` take the mask).
         tp_group: tensor-parallel process group, or None for a single rank.
         chunk_size: tokens per chunk to bound the [chunk, V/tp] temporaries.
 
