@@ -27,7 +27,7 @@ $(STAMP): setup.py
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m grpo_mega.demo
+	$(PY) -m grpo_mega.demo $(ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

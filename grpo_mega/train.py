@@ -61,7 +61,8 @@ def train_on(t: Trainer, samples: list[Sample], timings: dict) -> dict:
     minis = [samples[i:i + per_rank_mini] for i in range(0, len(samples), per_rank_mini)]
     micro = [make_micro_batches(m, mbs, t.pad_id) for m in minis]
     flat = [mb for ms in micro for mb in ms]
-    off_policy = algo.ppo_epochs > 1 or len(minis) > 1 or algo.tis_cap is not None
+    off_policy = (algo.ppo_epochs > 1 or len(minis) > 1 or algo.tis_cap is not None
+                  or os.environ.get("GRPO_FORCE_OLD_LOGPROBS") == "1")  # benchmark's "before"
     kw = dict(vocab_size=cfg.model.vocab_size, temperature=t.temperature)
     with stage("logprobs", timings):
         if t.ref is not None and flat:
