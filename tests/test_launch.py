@@ -528,3 +528,49 @@ def test_sbatch_template_runs_job_on_real_slurm(slurm, tmp_path):
     assert "node 0/1 x 2 ranks (world 2)" in node_log.read_text()
     assert (run_dir / "checkpoints").is_dir()
     print(f"[slurm] job {job_id} took {time.time() - t0:.1f}s")
+
+
+@pytest.mark.slow
+def test_sbatch_requeue_near_time_limit_resumes_in_same_run_dir(slurm, tmp_path):
+    """Requeue-safety: the USR1 that --signal sends before the time limit must make the
+    template requeue its own job, and the next attempt (same job id) must find the
+    previous attempt's checkpoint in the same run directory. The signal is sent with
+    scancel instead of waiting for the limit, and Slurm's ~2 min requeue delay is
+    lifted with StartTime=now; the entry is a stand-in trainer (tests/scripts/launch_resume.py)."""
+    env = launch_env(SLURM_CONF=str(slurm.conf), ENTRY="tests/scripts/launch_resume.py", CONFIG="",
+                     NPROC_PER_NODE="1", RUN_ROOT=str(tmp_path / "runs"), MASTER_PORT=str(free_port()))
+    r = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/%x-%j.out", "--nodes=1",
+                        "--cpus-per-task=2", "--gpus-per-node=0", "--time=10", str(SBATCH)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip().split(";")[0]
+    logs = tmp_path / "runs" / f"grpo-mega-{job_id}" / "logs"
+
+    def state() -> str:
+        out = subprocess.run(["scontrol", "show", "job", job_id], env=slurm.env, capture_output=True,
+                             text=True).stdout
+        return out.split("JobState=")[1].split()[0] if "JobState=" in out else "UNKNOWN"
+
+    def wait_for(cond, what, timeout=120):
+        deadline = time.time() + timeout
+        while not cond():
+            if time.time() > deadline:
+                subprocess.run(["scancel", job_id], env=slurm.env)
+                found = "\n".join(f"--- {f}\n{f.read_text()}" for f in sorted(logs.glob("*"))) if logs.exists() else ""
+                pytest.fail(f"timed out waiting for {what}; job state {state()}\n{found}")
+            time.sleep(0.2)
+
+    first = logs / "node0.attempt0.out"
+    wait_for(lambda: first.exists() and "saved" in first.read_text(), "attempt 0 to save")
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=slurm.env, check=True)
+    # Requeued: PENDING (Reason=BeginTime), or already past it on a Slurm without the delay.
+    wait_for(lambda: state() == "PENDING" or "attempt 1" in (logs / "job.out").read_text(),
+             "the job to be requeued")
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm.env)
+    wait_for(lambda: state() in ("COMPLETED", "FAILED", "CANCELLED"), "attempt 1 to finish")
+    job_out = (logs / "job.out").read_text()
+    assert state() == "COMPLETED", job_out
+    assert "time limit near: requeueing" in job_out
+    assert f"job {job_id} attempt 1" in job_out and "srun exited with 0" in job_out
+    second = (logs / "node0.attempt1.out").read_text()
+    assert f"attempt 1 resumed from {logs.parent}/checkpoints/latest.txt: step 7 of job {job_id} attempt 0" in second
