@@ -365,7 +365,12 @@ def _evaluate(specs: Sequence[RewardSpec], fns: Sequence[RewardFn], sample: Rewa
 
 
 def _worker_main(conn: Connection, specs: Sequence[RewardSpec]) -> None:
-    fns = [resolve_reward(s.name) for s in specs]
+    try:
+        fns = [resolve_reward(s.name) for s in specs]
+    except Exception as e:  # noqa: BLE001 - e.g. a custom module importable in the parent only
+        conn.send(("fatal", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", None))
     while True:
         try:
             msg = conn.recv()
@@ -374,7 +379,7 @@ def _worker_main(conn: Connection, specs: Sequence[RewardSpec]) -> None:
         if msg is None:
             return
         index, sample = msg
-        conn.send((index, _evaluate(specs, fns, sample)))
+        conn.send(("result", (index, _evaluate(specs, fns, sample))))
 
 
 class _Worker:
@@ -383,6 +388,8 @@ class _Worker:
         self.proc = ctx.Process(target=_worker_main, args=(child, list(specs)), daemon=True)
         self.proc.start()
         child.close()
+        self.ready = False
+        self.started = time.monotonic()
         self.task: tuple[int, float] | None = None  # (sample index, deadline)
 
     def kill(self) -> None:
@@ -425,6 +432,7 @@ class RewardScorer:
         self._fns = [resolve_reward(s.name) for s in self.specs]
         self.num_workers = int(num_workers)
         self.timeout_s = float(timeout_s)
+        self.startup_timeout_s = 120.0
         self.on_error = on_error
         self._ctx = mp.get_context(mp_context)
         self._workers: list[_Worker] = []
@@ -471,30 +479,39 @@ class RewardScorer:
         outcomes: dict[int, tuple] = {}
         while pending or any(w.task for w in self._workers):
             for w in self._workers:
-                if w.task is None and pending:
+                if w.ready and w.task is None and pending:
                     i = pending.popleft()
                     w.conn.send((i, samples[i]))
+                    # The clock starts when a ready worker gets the sample:
+                    # process start-up (seconds under load) is not the reward's.
                     w.task = (i, time.monotonic() + self.timeout_s)
-            busy = [w for w in self._workers if w.task]
-            next_deadline = min(w.task[1] for w in busy)
-            ready = wait([w.conn for w in busy], timeout=max(0.0, next_deadline - time.monotonic()))
-            for w in busy:
+            waiting = [w for w in self._workers if w.task or not w.ready]
+            deadlines = [w.task[1] if w.task else w.started + self.startup_timeout_s for w in waiting]
+            ready = wait([w.conn for w in waiting], timeout=max(0.0, min(deadlines) - time.monotonic()))
+            for w in waiting:
                 if w.conn in ready:
-                    self._collect(w, outcomes)
+                    self._receive(w, outcomes)
             self._expire(outcomes)
         return outcomes
 
-    def _collect(self, w: _Worker, outcomes: dict[int, tuple]) -> None:
-        index = w.task[0]
+    def _receive(self, w: _Worker, outcomes: dict[int, tuple]) -> None:
         try:
-            got_index, outcome = w.conn.recv()
-            assert got_index == index, (got_index, index)
-            outcomes[index] = outcome
-            w.task = None
+            kind, payload = w.conn.recv()
         except (EOFError, OSError):
-            code = w.proc.exitcode
-            outcomes[index] = ("crash", None, f"reward worker died (exit code {code})", "")
+            if not w.ready:
+                raise RuntimeError(f"reward worker died while starting (exit code {w.proc.exitcode})")
+            outcomes[w.task[0]] = ("crash", None, f"reward worker died (exit code {w.proc.exitcode})", "")
             self._replace(w)
+            return
+        if kind == "fatal":
+            raise RuntimeError(f"reward worker could not load the reward functions: {payload}")
+        if kind == "ready":
+            w.ready = True
+            return
+        index, outcome = payload
+        assert w.task is not None and index == w.task[0], (index, w.task)
+        outcomes[index] = outcome
+        w.task = None
 
     def _expire(self, outcomes: dict[int, tuple]) -> None:
         now = time.monotonic()
@@ -505,6 +522,8 @@ class RewardScorer:
                                        f"no result within {self.timeout_s:g} s (rewards: {names}); "
                                        "worker killed", "")
                 self._replace(w)
+            elif not w.ready and now >= w.started + self.startup_timeout_s:
+                raise RuntimeError(f"reward worker did not start within {self.startup_timeout_s:g} s")
 
     def _replace(self, w: _Worker) -> None:
         w.kill()

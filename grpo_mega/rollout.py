@@ -315,6 +315,9 @@ class RolloutEngine:
         self._updates = 0
         self.llm = None
         self.startup_seconds = 0.0
+        # vLLM's CPU worker replaces torch.set_num_threads in its process;
+        # shutdown() puts the original back.
+        self._set_num_threads = torch.set_num_threads
         if self.holds_engine:
             start = time.perf_counter()
             self.llm = self._build_llm()
@@ -409,14 +412,14 @@ class RolloutEngine:
 
     # -- generation ------------------------------------------------------
     def _sampling_params(self, s: SamplingConfig, seed: int | None):
-        from vllm import SamplingParams
-
         if s.transforms_logits and self.logprobs_mode == "raw_logprobs":
             raise ValueError(
                 f"sampling with temperature={s.temperature}, top_p={s.top_p}, top_k={s.top_k} "
                 "on an engine built with raw logprobs would return logprobs of a different "
                 "distribution; build the engine with that sampling config (or "
                 "logprobs_mode='processed_logprobs')")
+        from vllm import SamplingParams
+
         return SamplingParams(
             n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else 0,
             max_tokens=s.max_new_tokens, min_tokens=s.min_new_tokens, stop=list(s.stop) or None,
@@ -599,6 +602,7 @@ class RolloutEngine:
             if core is not None and hasattr(core, "shutdown"):
                 core.shutdown()
             self.llm = None
+        torch.set_num_threads = self._set_num_threads
 
 
 def _sampled_logprobs(completion) -> list[float]:

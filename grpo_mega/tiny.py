@@ -159,26 +159,6 @@ def build_tiny_tokenizer(out_dir: str | os.PathLike, family: str = "qwen2",
     return write_hf_tokenizer_dir(sp_model, out)
 
 
-_PROBE = "What is 12 + 30? The answer is \\boxed{42}.\n  ####  42 ü"
-
-
-def _check_tokenizer_loads_as_written(tokenizer_dir: Path, out: Path, family: str) -> None:
-    """AutoTokenizer on the checkpoint must tokenize like the tokenizer dir.
-
-    transformers 5 picks the tokenizer class from the model type for some
-    families (qwen2 among them) and rebuilds the pipeline, so a tokenizer
-    that is fine on its own can turn into garbage inside a checkpoint.
-    """
-    from grpo_mega.tokenizer import HFTokenizer
-
-    alone, inside = HFTokenizer(tokenizer_dir), HFTokenizer(out)
-    if alone.encode(_PROBE) != inside.encode(_PROBE) or inside.decode(inside.encode(_PROBE)) != _PROBE:
-        raise ValueError(
-            f"the tokenizer in {tokenizer_dir} changes behaviour inside a {family} checkpoint "
-            f"(transformers loads it as {type(inside.hf).__name__}); build it with "
-            f"grpo_mega.tiny.build_tiny_tokenizer(out_dir, family={family!r})")
-
-
 def _check_shapes(family: str, hidden: int, heads: int, kv_heads: int, bias: bool) -> None:
     if hidden % heads:
         raise ValueError(f"hidden_size={hidden} is not divisible by num_heads={heads}")
@@ -257,3 +237,24 @@ def _copy_tokenizer(src: Path, out: Path) -> None:
         raise FileNotFoundError(f"tokenizer_dir {src} has neither tokenizer.json nor tokenizer.model")
     for f in copied:
         shutil.copyfile(src / f, out / f)
+
+
+def _check_tokenizer_loads_as_written(tokenizer_dir: Path, out: Path, family: str) -> None:
+    """AutoTokenizer on the checkpoint must tokenize like the tokenizer dir.
+
+    transformers 5 picks the tokenizer class from the model type for some
+    families (qwen2 among them) and rebuilds the pipeline, so a tokenizer
+    that is fine on its own can turn into garbage inside a checkpoint. The
+    probe is the text of the tokenizer's own (non-special) vocabulary, so a
+    small tokenizer (e.g. digits only) is judged on what it can encode.
+    """
+    from grpo_mega.tokenizer import HFTokenizer
+
+    alone, inside = HFTokenizer(tokenizer_dir), HFTokenizer(out)
+    special = set(alone.hf.all_special_ids)
+    probe = alone.decode([i for i in range(alone.vocab_size) if i not in special])
+    if alone.encode(probe) != inside.encode(probe) or inside.decode(inside.encode(probe)) != probe:
+        raise ValueError(
+            f"the tokenizer in {tokenizer_dir} changes behaviour inside a {family} checkpoint "
+            f"(transformers loads it as {type(inside.hf).__name__}); build it with "
+            f"grpo_mega.tiny.build_tiny_tokenizer(out_dir, family={family!r})")
