@@ -2,8 +2,8 @@
 node), launch/slurm/grpo.sbatch on a real single-node Slurm (daemons started here),
 the Kubeflow PyTorchJob manifest, and grpo_mega.check_config on the scale configs.
 
-Cost on 2 shared cores: about 2-3 minutes (three torchrun launches and one Slurm
-job), plus a one-time ``apt-get install slurmctld slurmd slurm-client munge`` when
+Cost on 2 shared cores: about 2.5 minutes (two two-node torchrun launches, a Slurm job
+running the smoke job, and a requeued Slurm job), plus a one-time ``apt-get install slurmctld slurmd slurm-client munge`` when
 Slurm is missing (root with network only; otherwise the Slurm test skips, saying why).
 
     OMP_NUM_THREADS=1 python -m pytest -q tests/test_launch.py
