@@ -471,6 +471,12 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
                           f"model.num_attention_heads={m.num_attention_heads}; set --model.head_dim")
     if m.ffn_hidden_size % p.tp:
         raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}")
+    if a.advantage == "process":
+        # algorithms.process_advantages implements the math; the reward pipeline only
+        # produces one score per sample, so there are no step rewards to feed it yet.
+        raise ConfigError("algorithm.advantage=process needs per-step rewards from a process "
+                          "reward model, which the rule-based reward pipeline does not produce yet "
+                          "(--algorithm.advantage=outcome)")
     if a.clip_low < 0 or a.clip_high < 0:
         raise ConfigError("algorithm.clip_low/clip_high must be >= 0")
     if a.dual_clip is not None and a.dual_clip <= 1:
