@@ -565,6 +565,11 @@ class GroupFilter:
     num_groups: int
     num_dropped: int
 
+    @property
+    def sample_indices(self) -> list[int]:
+        """Alias of ``kept_samples`` (the name train.py uses)."""
+        return self.kept_samples
+
 
 def filter_uniform_groups(rewards: Sequence[float], group_size: int, tol: float = 0.0) -> GroupFilter:
     """Drop groups whose rewards are all equal (within ``tol``).

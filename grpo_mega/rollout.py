@@ -153,6 +153,10 @@ class EngineConfig:
     """None: from the engine's sampling (see ``logprobs_mode_for``)."""
     shm_dir: str = "/dev/shm"
     """child mode: where the weight file of an update is written (RAM-backed)."""
+    worker_extension_cls: str = "grpo_mega.rollout.WorkerExtension"
+    """Class mixed into vLLM's worker, by qualified name. A replacement must
+    derive from :class:`WorkerExtension` (child mode reads weight files with
+    its ``grpo_mega_reload_from_file``)."""
     warmup: bool = True
     """Run one tiny request with logprobs at startup (the first such request
     is slow), so the first training step is timed fairly."""
@@ -254,6 +258,19 @@ class WorkerExtension:
         # fails on CPU because prepacked weights were replaced at load.
         self.reload_weights(weights_iterator=list(tensors.items()))  # type: ignore[attr-defined]
         return len(tensors)
+
+    def grpo_mega_call(self, target: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``module:function(worker, *args, **kwargs)`` inside the worker.
+
+        A child-process engine only runs worker methods by name unless
+        VLLM_ALLOW_INSECURE_SERIALIZATION=1 lets it unpickle callables; this
+        gives any importable function (e.g. the bridge's weight probe) the
+        same reach: ``llm.collective_rpc("grpo_mega_call", args=(target, ...))``.
+        """
+        import importlib
+
+        module, _, name = target.partition(":")
+        return getattr(importlib.import_module(module), name)(self, *args, **kwargs)
 
 
 # ---------------------------------------------------------------------------
@@ -365,7 +382,7 @@ class RolloutEngine:
             seed=cfg.seed,
             logprobs_mode=self.logprobs_mode,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
-            worker_extension_cls=f"{__name__}.WorkerExtension",
+            worker_extension_cls=cfg.worker_extension_cls,
         )
         if self.on_cpu:
             kwargs.update(dtype=cfg.dtype or "float32",

@@ -386,6 +386,11 @@ def test_external_launcher_tp2_engine_coexists_with_trainer_collectives(artifact
     assert r0["collectives"] == r1["collectives"] == [3.0, 10.0, 1.0]
 
 
+def _worker_embedding_sum(worker) -> float:
+    """Runs inside vLLM's worker (through WorkerExtension.grpo_mega_call)."""
+    return float(worker.model_runner.get_model().model.embed_tokens.weight.double().sum())
+
+
 def _child_rank(rank, world, art, prompts, sampling):
     from safetensors.torch import load_file
 
@@ -399,11 +404,13 @@ def _child_rank(rank, world, art, prompts, sampling):
     fresh_b = eng.generate(prompts, step=3)
     seconds = eng.update_weights(load_file(Path(art["qwen2_a"]) / "model.safetensors") if rank == 0 else {})
     updated_a = eng.generate(prompts, step=3)
+    probe = eng.llm.collective_rpc("grpo_mega_call", args=("tests.test_rollout:_worker_embedding_sum",)) \
+        if eng.holds_engine else None
     leftovers = [f for f in os.listdir(eng.config.shm_dir) if f.startswith("grpo_mega_weights_")]
     after = _trainer_collectives_after(rank, replica)
     holds, startup = eng.holds_engine, eng.startup_seconds
     eng.shutdown()
-    return {"fresh_b": fresh_b.to_dict(), "updated_a": updated_a.to_dict(), "holds": holds,
+    return {"fresh_b": fresh_b.to_dict(), "updated_a": updated_a.to_dict(), "holds": holds, "probe": probe,
             "leftovers": leftovers, "collectives": after, "startup": startup, "update": seconds}
 
 
@@ -423,6 +430,8 @@ def test_child_engine_serves_its_replica_and_updates_through_shm(engine, prompts
     assert (r0["holds"], r1["holds"]) == (True, False)
     assert r0["fresh_b"] == r1["fresh_b"] and r0["updated_a"] == r1["updated_a"]
     assert r0["leftovers"] == [] and r0["collectives"] == r1["collectives"] == [3.0, 10.0, 1.0]
+    embed_a = load_file(Path(artifacts["qwen2_a"]) / "model.safetensors")["model.embed_tokens.weight"]
+    assert r0["probe"] == [pytest.approx(embed_a.double().sum().item(), abs=1e-6)]
     on_a = engine.generate(prompts, step=3)
     assert RolloutBatch.from_dict(r0["updated_a"]).response_ids == on_a.response_ids
     engine.update_weights(load_file(Path(artifacts["qwen2_b"]) / "model.safetensors"))
