@@ -37,8 +37,9 @@ rank of the replica gets the replica's outputs. Three engine modes:
     HANGS (vLLM reuses the default process group and waits for ranks that
     never join), so it is refused there.
 
-``mode="auto"`` picks ``inprocess`` for a single process and
-``external_launcher`` inside a torch.distributed world.
+``mode="auto"`` picks ``inprocess`` for a single process, and inside a
+torch.distributed world ``external_launcher`` when every replica is a block of
+consecutive ranks, else ``child``.
 
 CPU (no GPU): dtype float32, eager mode, a small ``max_model_len``,
 ``VLLM_CPU_KVCACHE_SPACE`` and ``HF_HUB_OFFLINE`` are set automatically.
@@ -116,7 +117,11 @@ class SamplingConfig:
 
     @property
     def transforms_logits(self) -> bool:
-        """Whether sampling differs from the plain softmax of the logits."""
+        """Whether sampling draws from something other than the plain softmax
+        of the logits. Greedy (temperature 0) does not count: it draws from
+        nothing, and its reported logprobs are the plain softmax's."""
+        if self.temperature == 0:
+            return False
         return self.temperature != 1.0 or self.top_p < 1.0 or self.top_k > 0
 
 
@@ -145,7 +150,7 @@ class EngineConfig:
     colocate: bool = False
     """Enable sleep mode so ``sleep()`` frees GPU memory while training.
     Unsupported on CPU: sleep/wake are then logged no-ops."""
-    kv_cache_space_gib: float = 1.0
+    kv_cache_space_gib: int = 1
     """CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE); unset, vLLM took 14.75 GiB."""
     seed: int = 0
     """Engine seed; must be equal on all ranks of an external_launcher engine."""
@@ -285,11 +290,14 @@ def _dist_world() -> tuple[int, int]:
     return 0, 1
 
 
-def resolve_engine_mode(mode: str) -> str:
-    """``auto`` -> ``inprocess`` alone, ``external_launcher`` in a world > 1."""
+def resolve_engine_mode(mode: str, consecutive_replicas: bool = True) -> str:
+    """``auto`` -> ``inprocess`` alone; in a world > 1 ``external_launcher``
+    when replicas are blocks of consecutive ranks, else ``child``."""
     _, world = _dist_world()
     if mode == "auto":
-        return "inprocess" if world == 1 else "external_launcher"
+        if world == 1:
+            return "inprocess"
+        return "external_launcher" if consecutive_replicas else "child"
     if mode == "inprocess" and world > 1:
         raise RuntimeError(
             f"rollout engine_mode='inprocess' inside a torch.distributed world of {world} ranks "
@@ -322,14 +330,18 @@ class RolloutEngine:
                  replica_group: Any = None, dp_rank: int = 0, dp_size: int = 1):
         self.config = engine
         self.sampling = sampling or SamplingConfig()
-        self.mode = resolve_engine_mode(engine.mode)
         self.replica_group = replica_group
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.on_cpu = not torch.cuda.is_available()
         self.logprobs_mode = engine.logprobs_mode or logprobs_mode_for(self.sampling)
-        self._replica_ranks = self._check_layout()
+        self._replica_ranks = self._replica_layout()
+        self.mode = resolve_engine_mode(engine.mode, self._consecutive_replica())
+        if self.mode == "external_launcher" and not self._consecutive_replica():
+            raise ValueError(
+                f"external_launcher needs each replica to be consecutive ranks (vLLM lays out DP "
+                f"outer, TP inner): replica {self.dp_rank} is {self._replica_ranks}; use rollout "
+                "engine_mode='child' (or 'auto') for this layout")
         self._step = 0
-        self._updates = 0
         self.llm = None
         self.startup_seconds = 0.0
         # vLLM's CPU worker replaces torch.set_num_threads in its process;
@@ -344,10 +356,10 @@ class RolloutEngine:
             log.info("rollout: vLLM engine (%s) up in %.1f s", self.mode, self.startup_seconds)
 
     # -- construction ----------------------------------------------------
-    def _check_layout(self) -> list[int]:
+    def _replica_layout(self) -> list[int]:
         import torch.distributed as dist
 
-        rank, world = _dist_world()
+        _, world = _dist_world()
         if world == 1:
             if self.dp_size != 1:
                 raise ValueError(f"dp_size={self.dp_size} without a torch.distributed world")
@@ -358,14 +370,15 @@ class RolloutEngine:
         ranks = sorted(dist.get_process_group_ranks(self.replica_group))
         if len(ranks) * self.dp_size != world:
             raise ValueError(f"replica of {len(ranks)} ranks x dp_size={self.dp_size} != world {world}")
-        if self.mode == "external_launcher":
-            want = list(range(self.dp_rank * len(ranks), (self.dp_rank + 1) * len(ranks)))
-            if ranks != want:
-                raise ValueError(
-                    f"external_launcher needs each replica to be consecutive ranks (vLLM lays "
-                    f"out DP outer, TP inner): replica {self.dp_rank} is {ranks}, expected {want}; "
-                    "use rollout engine_mode='child' for this layout")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank={self.dp_rank} not in [0, {self.dp_size})")
         return ranks
+
+    def _consecutive_replica(self) -> bool:
+        """Replica r is ranks [r*size, (r+1)*size): vLLM's external_launcher
+        layout (megatron's default order gives it when PP == 1 or DP == 1)."""
+        size = len(self._replica_ranks)
+        return self._replica_ranks == list(range(self.dp_rank * size, (self.dp_rank + 1) * size))
 
     @property
     def holds_engine(self) -> bool:
@@ -381,7 +394,6 @@ class RolloutEngine:
             tokenizer=cfg.tokenizer or cfg.model,
             seed=cfg.seed,
             logprobs_mode=self.logprobs_mode,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
             worker_extension_cls=cfg.worker_extension_cls,
         )
         if self.on_cpu:
@@ -389,7 +401,10 @@ class RolloutEngine:
                           enforce_eager=True if cfg.enforce_eager is None else cfg.enforce_eager,
                           max_model_len=cfg.max_model_len or 1024)
         else:
-            kwargs.update(dtype=cfg.dtype or "auto", enable_sleep_mode=cfg.colocate)
+            # (On CPU vLLM reads gpu_memory_utilization as a fraction of RAM
+            # to reserve; the explicit KV cache size replaces it there.)
+            kwargs.update(dtype=cfg.dtype or "auto", enable_sleep_mode=cfg.colocate,
+                          gpu_memory_utilization=cfg.gpu_memory_utilization)
             if cfg.enforce_eager is not None:
                 kwargs["enforce_eager"] = cfg.enforce_eager
             if cfg.max_model_len is not None:
@@ -407,7 +422,7 @@ class RolloutEngine:
     def _set_env(self) -> None:
         env = {"HF_HUB_OFFLINE": "1"}
         if self.on_cpu:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(self.config.kv_cache_space_gib)))
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(self.config.kv_cache_space_gib)))
         for k, v in env.items():
             os.environ.setdefault(k, v)
         # Process-wide switch read at engine construction: 0 keeps the engine
@@ -476,16 +491,24 @@ class RolloutEngine:
         from vllm.inputs import TokensPrompt
 
         ids = [list(getattr(p, "token_ids", p)) for p in prompts]
+        max_len = self.llm.llm_engine.model_config.max_model_len
         for i, p in enumerate(ids):
             if not p:
                 raise ValueError(f"prompt {offset + i} is empty")
+            if len(p) + s.max_new_tokens > max_len:
+                # vLLM would reject it mid-batch or cut the response short.
+                raise ValueError(f"prompt {offset + i} has {len(p)} tokens; with max_new_tokens="
+                                 f"{s.max_new_tokens} it exceeds the engine's max_model_len={max_len} "
+                                 "(raise rollout max_model_len or lower data max_prompt_tokens)")
         requests = [TokensPrompt(prompt_token_ids=p) for p in ids]
         params = [self._sampling_params(s, _request_seed(s.seed, step, offset + i, s.n))
                   for i in range(len(ids))]
         start = time.perf_counter()
         outputs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
         seconds = time.perf_counter() - start
-        batch = RolloutBatch([], [], [], [], [], s.n, [], [], self.logprobs_mode, seconds)
+        batch = RolloutBatch(prompt_ids=[], response_ids=[], logprobs=[], finish_reasons=[],
+                             prompt_index=[], group_size=s.n, logprobs_mode=self.logprobs_mode,
+                             seconds=seconds)
         for i, out in enumerate(outputs):
             completions = sorted(out.outputs, key=lambda c: c.index)
             if len(completions) != s.n:
@@ -531,7 +554,6 @@ class RolloutEngine:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
         count = len(tensors)
         self.llm.reset_prefix_cache()
-        self._updates += 1
         seconds = time.perf_counter() - start
         log.info("rollout: updated %d tensors in %.3f s (%s)", count, seconds, self.mode)
         return seconds

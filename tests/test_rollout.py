@@ -96,6 +96,7 @@ def test_sampling_config_validates_and_picks_logprobs_mode():
     assert logprobs_mode_for(SamplingConfig(temperature=0.7)) == "processed_logprobs"
     assert logprobs_mode_for(SamplingConfig(top_p=0.9)) == "processed_logprobs"
     assert logprobs_mode_for(SamplingConfig(top_k=5)) == "processed_logprobs"
+    assert logprobs_mode_for(SamplingConfig(temperature=0.0)) == "raw_logprobs"  # greedy eval
     with pytest.raises(ValueError, match="n must be >= 1"):
         SamplingConfig(n=0)
     with pytest.raises(ValueError, match="top_p"):
@@ -111,6 +112,19 @@ def test_raw_logprobs_engine_refuses_temperature():
     eng.logprobs_mode = "raw_logprobs"
     with pytest.raises(ValueError, match="different distribution"):
         eng._sampling_params(SamplingConfig(temperature=0.7), seed=None)
+
+
+def test_replica_layout_decides_the_auto_engine_mode():
+    """vLLM's external_launcher lays out DP outer / TP inner; megatron with
+    PP > 1 and DP > 1 gives replicas like [0, 2], which need the child mode."""
+    from grpo_mega.rollout import resolve_engine_mode
+
+    eng = RolloutEngine.__new__(RolloutEngine)
+    eng._replica_ranks, eng.dp_rank = [0, 2], 0
+    assert not eng._consecutive_replica()
+    eng._replica_ranks, eng.dp_rank = [2, 3], 1
+    assert eng._consecutive_replica()
+    assert resolve_engine_mode("auto") == "inprocess"  # no torch.distributed world here
 
 
 def test_request_seeds_differ_per_prompt_and_step():
@@ -215,6 +229,23 @@ class TestInProcessEngine:
             assert (reason == "length") == (n == 16 and ids[-1] != 2)
         assert batch.logprobs_mode == "processed_logprobs" and engine.startup_seconds > 0
 
+    def test_accepts_dataset_prompts(self, engine, prompts, artifacts, tmp_path):
+        """The trainer passes data.Prompt objects, not id lists."""
+        import json
+
+        from grpo_mega.data import PromptDataset
+        from grpo_mega.tokenizer import load_tokenizer
+
+        path = tmp_path / "p.jsonl"
+        path.write_text("".join(json.dumps({"prompt": t, "answer": "1"}) + "\n" for t in PROMPT_TEXTS))
+        ds = PromptDataset(path, load_tokenizer(artifacts["tok_qwen2"]), shuffle=False)
+        from_objects = engine.generate(ds.next_batch(3), step=2)
+        assert from_objects.response_ids == engine.generate(prompts, step=2).response_ids
+
+    def test_too_long_prompt_is_refused_before_generation(self, engine):
+        with pytest.raises(ValueError, match="prompt 0 has 250 tokens; with max_new_tokens=16 it exceeds"):
+            engine.generate([[5] * 250])
+
     def test_ignore_eos_gives_exactly_max_new_tokens(self, engine, prompts):
         batch = engine.generate(prompts, SamplingConfig(n=2, temperature=0.7, max_new_tokens=5, ignore_eos=True))
         assert batch.response_lengths == [5] * 6 and set(batch.finish_reasons) == {"length"}
@@ -286,7 +317,11 @@ class TestInProcessEngine:
         from safetensors.torch import load_file
 
         before = engine.generate(prompts, step=3)
-        seconds = engine.update_weights(load_file(Path(artifacts["qwen2_b"]) / "model.safetensors"))
+        weights_b = load_file(Path(artifacts["qwen2_b"]) / "model.safetensors")
+        # Two buckets, as the bridge sends them: each covers whole layers.
+        first = {k: v for k, v in weights_b.items() if "layers.0." in k or "embed" in k}
+        seconds = engine.update_weights(first)
+        seconds += engine.update_weights([(k, v) for k, v in weights_b.items() if k not in first])
         after = engine.generate(prompts, step=3)
         assert after.response_ids != before.response_ids
         assert hf_logprob_error(artifacts["qwen2_b"], after, 0.7) < TOL
@@ -399,6 +434,8 @@ def _child_rank(rank, world, art, prompts, sampling):
     replica, _ = _trainer_groups(rank)
     with pytest.raises(RuntimeError, match="hangs"):
         resolve_engine_mode("inprocess")
+    assert resolve_engine_mode("auto", True) == "external_launcher"
+    assert resolve_engine_mode("auto", False) == "child"
     eng = RolloutEngine(EngineConfig(art["qwen2_b"], mode="child", max_model_len=256), sampling,
                         replica_group=replica)
     fresh_b = eng.generate(prompts, step=3)
