@@ -353,9 +353,15 @@ class _LLMHolder:
         self.engine.llm.reset_prefix_cache()
 
     def probe_weights(self, specs) -> list[dict]:
-        if getattr(self.engine, "mode", None) == "child":
+        if getattr(self.engine, "mode", None) != "child":
+            return self.engine.llm.collective_rpc(probe_worker_weights, args=(specs,))
+        try:  # a child-process worker only runs methods it has by name
             return self.engine.llm.collective_rpc("grpo_bridge_probe", args=(specs,))
-        return self.engine.llm.collective_rpc(probe_worker_weights, args=(specs,))
+        except NotImplementedError as e:
+            raise WeightSyncError(
+                "cannot verify a child-process engine whose worker_extension_cls lacks "
+                "grpo_bridge_probe: derive it from grpo_mega.bridge.BridgeWorkerExtension, "
+                "or turn verification off (rollout.verify_sync=false)") from e
 
 
 def as_sync_engine(engine):

@@ -30,6 +30,7 @@ CLIs: ``tools/convert_checkpoint.py`` and ``tools/verify_checkpoint.py``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -194,6 +195,28 @@ def _save_strategy():
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
 
 
+@contextlib.contextmanager
+def _writer_manager_released():
+    """Shut down the multiprocessing Manager megatron's checkpoint writer starts (and
+    caches) on its first save, if this save started it: otherwise the Manager's server
+    process outlives a process that is killed rather than exiting cleanly, holding
+    its stdout open (a CI step waiting for EOF would hang)."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    except ImportError:  # pragma: no cover - other megatron layouts
+        yield
+        return
+    had = getattr(fa, "_results_queue", None) is not None
+    try:
+        yield
+    finally:
+        queue = getattr(fa, "_results_queue", None)
+        manager = getattr(queue, "_manager", None)
+        if not had and manager is not None:
+            fa._results_queue = None
+            manager.shutdown()
+
+
 def read_model_config(path: str | os.PathLike) -> ModelConfig:
     """ModelConfig of an mcore checkpoint written by hf_to_mcore, or of an HF directory."""
     p = Path(path)
@@ -287,7 +310,8 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             _say(progress, f"[hf-to-mcore]{f' rank {rank}' if world > 1 else ''} "
                            f"{i + 1}/{len(mine)} {name} {tuple(t.shape)} {t.dtype}")
         _say(progress, f"[hf-to-mcore] writing torch_dist checkpoint ({len(names)} tensors)")
-        dist_checkpointing.save(sharded, str(tmp), sharded_strategy=_save_strategy())
+        with _writer_manager_released():
+            dist_checkpointing.save(sharded, str(tmp), sharded_strategy=_save_strategy())
         if rank == 0:
             _write_side_files(tmp, hf_dir, cfg, hf_config)
         if world > 1:
@@ -315,12 +339,16 @@ def _write_side_files(tmp: Path, hf_dir: Path, cfg: ModelConfig, hf_config: dict
 
 # =============================================================================== mcore -> HF
 
-def _load_tensors_metadata(ckpt_dir: Path) -> dict:
-    from megatron.core import dist_checkpointing
-
+def _require_dist_checkpoint(ckpt_dir: Path) -> None:
     if not (ckpt_dir / "metadata.json").is_file():
         raise CheckpointError(f"{ckpt_dir}: not a megatron-core distributed checkpoint "
                               "(no metadata.json)")
+
+
+def _load_tensors_metadata(ckpt_dir: Path) -> dict:
+    from megatron.core import dist_checkpointing
+
+    _require_dist_checkpoint(ckpt_dir)
     return dict(dist_checkpointing.load_tensors_metadata(str(ckpt_dir)))
 
 
@@ -427,6 +455,7 @@ def mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         raise CheckpointError(f"{ckpt} has no {META_FILE}; pass hf_config_dir (--hf-config) with "
                               "the model's config.json")
     _check_out(out, overwrite)
+    _require_dist_checkpoint(ckpt)
     _ensure_world()
     meta = _load_tensors_metadata(ckpt)
     _validate_checkpoint(meta, cfg, ckpt)

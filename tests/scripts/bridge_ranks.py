@@ -1,0 +1,282 @@
+"""One launch of 4 gloo ranks that runs every multi-rank check of the bridge and the converter.
+
+A launch costs 10-20 s of imports, so ``launch_once()`` runs it a single time per
+pytest session and both tests/test_convert.py and tests/test_bridge.py read its
+report: {check name: value}, merged over ranks (see ``merged``).
+
+Per model variant (llama tied / untied, qwen2 with QKV bias, qwen3 with QK-norm):
+  HF -> mcore (collective, each rank writes a share) -> load at TP1, TP2, PP2, TP2xPP2
+  -> export through the bridge (small buckets, PP broadcast) -> compare bitwise with
+  the original HF tensors; at TP1 also logits vs transformers; at TP2xPP2 the direct
+  HF load must equal the mcore load; then mcore -> HF (collective) compared bitwise.
+Bridge at TP2xPP2 with a recording fake engine: every rank gets every tensor, buckets
+respect the size and never split a fused module, and a tensor one rank's engine
+failed to apply makes *every* rank raise WeightSyncError.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tests.scripts.bridge_fixtures import read_hf_tensors, write_hf_checkpoint
+
+VARIANTS = {
+    # name: (family, tie_word_embeddings)
+    "llama_tied": ("llama", True),
+    "llama_untied": ("llama", False),
+    "qwen2_bias": ("qwen2", True),
+    "qwen3_qknorm": ("qwen3", False),
+}
+HF_ONLY = ("qwen3_qknorm",)  # mapping checked at TP1 / TP2xPP2 without a checkpoint round trip
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp) at world 4; dp = 4 / (tp * pp)
+SMALL_BUCKET = 96 * 1024  # bytes: several buckets per stage for these tiny models
+
+
+class FakeEngine:
+    """An engine that stores what it receives and answers probes from it, the way
+    ``bridge.probe_worker_weights`` answers for an unsharded vLLM worker."""
+
+    def __init__(self, drop: str | None = None):
+        self.store: dict[str, torch.Tensor] = {}
+        self.buckets: list[list[str]] = []
+        self.bucket_bytes: list[int] = []
+        self.resets = 0
+        self.drop = drop
+
+    def update_weights(self, named_tensors):
+        names = []
+        for name, t in named_tensors:
+            names.append(name)
+            if name != self.drop:
+                self.store[name] = t.detach().clone()
+        self.buckets.append(names)
+        self.bucket_bytes.append(sum(t.numel() * t.element_size() for _, t in named_tensors))
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+    def probe_weights(self, specs):
+        probes = {}
+        for name, rows, cols in specs:
+            if name not in self.store:
+                probes[name] = [{"error": "not loaded"}]
+                continue
+            w = self.store[name]
+            if w.ndim == 1:
+                probes[name] = [{"rows": None, "cols": None, "values": w.float()}]
+            elif rows is None:
+                probes[name] = [{"rows": None, "cols": list(cols), "values": w[:, cols].float()}]
+            else:
+                probes[name] = [{"rows": list(rows), "cols": None, "values": w[rows].float()},
+                                {"rows": list(rows), "cols": list(cols), "values": w[rows][:, cols].float()}]
+        return [{"dtype": "torch.float32", "probes": probes}]
+
+
+def _fused_unit(hf_name: str) -> str:
+    """The vLLM module an HF tensor is loaded into (q/k/v + biases -> qkv_proj, ...)."""
+    for subs, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+        for s in subs:
+            if f".{s}." in hf_name:
+                return hf_name.split(f".{s}.")[0] + "." + fused
+    return hf_name.rsplit(".", 1)[0]
+
+
+def _diff(got: dict, want: dict) -> list[str]:
+    """Names that are missing, extra, or not bitwise equal (dtype and shape included)."""
+    bad = [f"missing {n}" for n in want if n not in got] + [f"extra {n}" for n in got if n not in want]
+    for n in want:
+        if n in got and (got[n].dtype != want[n].dtype or not torch.equal(got[n].cpu(), want[n])):
+            bad.append(f"differs {n}")
+    return bad
+
+
+def _reinit(tp: int, pp: int):
+    from megatron.core import parallel_state as mpu
+
+    from grpo_mega.parallel import init_parallel
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    return init_parallel(tp, pp, seed=3)
+
+
+def _transformers_logits_diff(hf_dir: Path, model, cfg) -> float:
+    from transformers import AutoModelForCausalLM
+
+    from grpo_mega.models import forward_logits
+
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = forward_logits(model, tokens)[..., :cfg.vocab_size]
+        return float((ours - hf(tokens).logits).abs().max())
+
+
+def _hf_only_checks(rank: int, root: Path, vname: str, report: dict) -> None:
+    """A variant checked without the dist checkpoint: HF weights loaded directly
+    (``load_hf_weights``), logits vs transformers at TP1, bitwise export at TP2xPP2."""
+    from grpo_mega import convert
+    from grpo_mega.bridge import export_hf_weights
+    from grpo_mega.models import build_model
+
+    hf_dir = root / vname / "hf"
+    original = read_hf_tensors(hf_dir)
+    cfg = convert.read_model_config(hf_dir)
+    for tp, pp in ((1, 1), (2, 2)):
+        ps = _reinit(tp, pp)
+        model = build_model(cfg, ps)
+        convert.load_hf_weights(model, hf_dir, ps, cfg)
+        if (tp, pp) == (1, 1):
+            if rank == 0:
+                report[f"logits {vname}"] = _transformers_logits_diff(hf_dir, model, cfg)
+            continue
+        exported = dict(export_hf_weights(model, cfg, ps, bucket_bytes=SMALL_BUCKET))
+        report[f"export {vname} tp{tp} pp{pp}"] = _diff(exported, original)
+
+
+def _variant_checks(rank: int, root: Path, vname: str, report: dict) -> None:
+    from grpo_mega import convert
+    from grpo_mega.bridge import export_hf_weights
+    from grpo_mega.models import build_model
+
+    hf_dir, mc, back = root / vname / "hf", root / vname / "mcore", root / vname / "back"
+    original = read_hf_tensors(hf_dir)
+    cfg = convert.read_model_config(hf_dir)
+    _reinit(1, 1)
+    convert.hf_to_mcore(hf_dir, mc, progress=None)
+    for tp, pp in LAYOUTS:
+        ps = _reinit(tp, pp)
+        model = build_model(cfg, ps)
+        convert.load_mcore_weights(model, mc, ps)
+        exported = dict(export_hf_weights(model, cfg, ps, bucket_bytes=SMALL_BUCKET))
+        report[f"export {vname} tp{tp} pp{pp}"] = _diff(exported, original)
+        if (tp, pp) == (1, 1) and rank == 0:
+            report[f"logits {vname}"] = _transformers_logits_diff(hf_dir, model, cfg)
+        if (tp, pp) == (2, 2):
+            direct = build_model(cfg, ps)
+            convert.load_hf_weights(direct, hf_dir, ps, cfg)
+            same = all(torch.equal(a, b) for a, b in zip(model.parameters(), direct.parameters()))
+            report[f"hf_load_equals_mcore_load {vname}"] = same
+    convert.mcore_to_hf(mc, back, progress=None)
+    if rank == 0:
+        report[f"roundtrip {vname}"] = _diff(read_hf_tensors(back), original)
+        report[f"roundtrip_files_identical {vname}"] = (
+            (back / "model.safetensors").read_bytes() == (hf_dir / "model.safetensors").read_bytes())
+
+
+def _bridge_checks(rank: int, root: Path, report: dict) -> None:
+    from grpo_mega import convert, mapping
+    from grpo_mega.bridge import WeightBridge, WeightSyncError
+    from grpo_mega.mapping import ShapeMismatchError
+    from grpo_mega.models import build_model
+
+    vname = "qwen2_bias"
+    hf_dir = root / vname / "hf"
+    cfg = convert.read_model_config(hf_dir)
+    ps = _reinit(2, 2)
+    model = build_model(cfg, ps)
+    convert.load_hf_weights(model, hf_dir, ps, cfg)
+    original = read_hf_tensors(hf_dir)
+
+    engine = FakeEngine()
+    bridge = WeightBridge(model, cfg, ps, [engine], bucket_bytes=SMALL_BUCKET)
+    stats = bridge.sync()
+    report["bridge received everything"] = _diff(engine.store, original)
+    report["bridge resets"] = engine.resets
+    report["bridge verified"] = stats.verified_tensors
+    units = {}
+    for b, names in enumerate(engine.buckets):
+        for n in names:
+            units.setdefault(_fused_unit(n), set()).add(b)
+    report["bridge split units"] = sorted(u for u, bs in units.items() if len(bs) > 1)
+    module_bytes: dict[str, int] = {}
+    for n in mapping.canonical_names(cfg):
+        size = sum(original[h].numel() * original[h].element_size() for h in mapping.hf_names_for(n, cfg))
+        module_bytes[mapping.module_of(n)] = module_bytes.get(mapping.module_of(n), 0) + size
+    largest_module = max(module_bytes.values())
+    report["bridge max bucket"] = max(engine.bucket_bytes)
+    report["bridge bucket limit"] = max(SMALL_BUCKET, largest_module)
+    report["bridge buckets"] = len(engine.buckets)
+
+    # Train-free staleness: change the weights, then let rank 3's engine miss one tensor.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    victim = "model.layers.1.self_attn.v_proj.bias"
+    bridge.engines = [FakeEngine(drop=victim if rank == 3 else None)]
+    try:
+        bridge.sync()
+        report["stale caught"] = "not raised"
+    except WeightSyncError as e:
+        report["stale caught"] = str(e)
+
+    # A conversion that fails half-way must leave neither output nor temporary directory.
+    import grpo_mega.convert as conv
+
+    real, calls = conv.mapping.hf_to_canonical, []
+
+    def failing(name, tensors, cfg):
+        calls.append(name)
+        if len(calls) == 1:  # every rank converts at least one tensor, so all fail together
+            raise RuntimeError("injected failure")
+        return real(name, tensors, cfg)
+
+    conv.mapping.hf_to_canonical = failing
+    out = root / "failed" / "mcore"
+    try:
+        conv.hf_to_mcore(hf_dir, out, progress=None)
+        report["failed conversion"] = "not raised"
+    except RuntimeError as e:
+        report["failed conversion"] = str(e)
+    finally:
+        conv.mapping.hf_to_canonical = real
+    torch.distributed.barrier()
+    report["failed conversion leftovers"] = sorted(p.name for p in (root / "failed").iterdir())
+
+    # A checkpoint whose shapes do not fit the model's config.
+    wrong = mapping.model_config_from_hf(convert.read_hf_config(hf_dir), ffn_hidden_size=256)
+    ps = _reinit(1, 1)
+    try:
+        convert.load_mcore_weights(build_model(wrong, ps), root / vname / "mcore", ps, wrong)
+        report["bad shape"] = "not raised"
+    except ShapeMismatchError as e:
+        report["bad shape"] = str(e)
+
+
+def _rank_main(rank: int, world: int, root: str) -> dict:
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import time
+
+    report: dict = {}
+    start = time.perf_counter()
+    for vname in VARIANTS:
+        check = _hf_only_checks if vname in HF_ONLY else _variant_checks
+        check(rank, Path(root), vname, report)
+        report[f"seconds after {vname}"] = time.perf_counter() - start
+    _bridge_checks(rank, Path(root), report)
+    report["seconds"] = time.perf_counter() - start
+    return report
+
+
+@functools.lru_cache(maxsize=None)
+def launch_once() -> tuple:
+    """Build the HF checkpoints, run the 4-rank checks once; returns per-rank reports."""
+    from tests.distributed import run_ranks
+
+    root = Path(tempfile.mkdtemp(prefix="grpo_bridge_ranks_"))
+    atexit.register(shutil.rmtree, root, True)
+    for i, (vname, (family, tie)) in enumerate(VARIANTS.items()):
+        write_hf_checkpoint(root / vname / "hf", family, tie=tie, seed=i)
+    return tuple(run_ranks(4, _rank_main, str(root), timeout=600))
+
+
+def merged(reports, key):
+    """A check's value from every rank that reported it: {rank: value}."""
+    return {r: rep[key] for r, rep in enumerate(reports) if key in rep}

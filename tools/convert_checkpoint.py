@@ -1,0 +1,58 @@
+#!/usr/bin/env python
+"""Convert a checkpoint between Hugging Face (safetensors) and megatron-core (torch_dist).
+
+    python tools/convert_checkpoint.py hf-to-mcore --hf-dir HF_DIR --out MCORE_DIR
+    python tools/convert_checkpoint.py mcore-to-hf --in MCORE_DIR --out HF_DIR [--hf-config DIR]
+    torchrun --nproc-per-node 4 tools/convert_checkpoint.py hf-to-mcore ...   # ranks share the work
+
+The megatron checkpoint holds unsharded canonical tensors; the trainer loads it at
+any TP/PP layout (``grpo_mega.convert.load_mcore_weights``). Tensors stream one at a
+time; output appears only when complete (temporary directory, then rename). The
+logic lives in ``grpo_mega.convert`` and ``grpo_mega.mapping``; this is the CLI.
+Exit status: 0 done, 2 bad input (the message names the tensor / file).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("hf-to-mcore", help="HF safetensors -> megatron-core torch_dist checkpoint")
+    a.add_argument("--hf-dir", required=True, help="HF checkpoint directory (config.json + *.safetensors)")
+    a.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
+    a.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    b = sub.add_parser("mcore-to-hf", help="megatron-core torch_dist checkpoint -> HF safetensors")
+    b.add_argument("--in", dest="input", required=True, help="megatron-core checkpoint directory")
+    b.add_argument("--out", required=True, help="output HF directory (must not exist unless --overwrite)")
+    b.add_argument("--hf-config", default=None,
+                   help="HF directory whose config.json / tokenizer to use (needed for checkpoints "
+                        "not written by hf-to-mcore)")
+    b.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (GB)")
+    b.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from grpo_mega import convert
+    from grpo_mega.mapping import MappingError
+
+    try:
+        if args.cmd == "hf-to-mcore":
+            convert.hf_to_mcore(args.hf_dir, args.out, overwrite=args.overwrite)
+        else:
+            convert.mcore_to_hf(args.input, args.out, hf_config_dir=args.hf_config,
+                                overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    except MappingError as e:  # CheckpointError, MissingTensorError, ShapeMismatchError
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # megatron's checkpoint writer re-imports __main__ in a child
+    sys.exit(main())
