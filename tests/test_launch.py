@@ -43,7 +43,16 @@ COLLECTIVE = "tests/scripts/launch_collective.py"
 
 # The job every real launch below runs at world size 2 (TP=2 over gloo): ENTRY module,
 # CONFIG file ("" = none), config overrides, and a line its rank 0 prints on success.
-JOB = ("grpo_mega.smoke", "", ["--parallel.tp=2", "--parallel.micro_batch_size=2", "--model.vocab_size=300"], "[smoke] OK: world 2 tp 2")
+# The job the real launchers run: a few steps of the demo config at world 2 (TP=2, vLLM
+# rollouts, KL, a checkpoint). The smoke job is still the entry for the requeue test.
+DEMO = REPO / "grpo_mega" / "assets" / "demo_v1"
+JOB = ("grpo_mega.train", "grpo_mega/configs/demo.yaml",
+       [f"--model.hf_checkpoint={DEMO / 'hf'}", f"--data.train_path={DEMO / 'train.jsonl'}",
+        f"--data.eval_path={DEMO / 'eval.jsonl'}", "--algorithm.steps=2", "--data.eval_every=0",
+        "--data.prompts_per_step=4", "--parallel.micro_batch_size=16",
+        "--algorithm.time_limit_minutes=0", "--logging.tensorboard=false",
+        f"--logging.run_dir={tempfile.mkdtemp(prefix='grpo_launch_')}"],
+       "[grpo] done:")
 
 
 def free_port() -> int:
