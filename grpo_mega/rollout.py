@@ -419,21 +419,34 @@ class RolloutEngine:
         kwargs.update(cfg.extra)
         return kwargs
 
-    def _set_env(self) -> None:
-        env = {"HF_HUB_OFFLINE": "1"}
+    def _engine_env(self) -> dict[str, str]:
+        env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+               # Read once at construction: 0 keeps the engine core in this
+               # process, 1 puts it in a child process.
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.mode == "child" else "0"}
         if self.on_cpu:
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(self.config.kv_cache_space_gib)))
-        for k, v in env.items():
-            os.environ.setdefault(k, v)
-        # Process-wide switch read at engine construction: 0 keeps the engine
-        # core in this process, 1 puts it in a child process.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if self.mode == "child" else "0"
+            env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get(
+                "VLLM_CPU_KVCACHE_SPACE", str(max(1, int(self.config.kv_cache_space_gib))))
+        return env
 
     def _build_llm(self):
-        self._set_env()
-        from vllm import LLM
+        # The variables are set only while vLLM starts (a child engine inherits
+        # them), then restored: left behind, VLLM_ENABLE_V1_MULTIPROCESSING=0
+        # would turn a later engine in this process, or in processes it
+        # spawns, into an in-process one (which hangs inside a world > 1).
+        env = self._engine_env()
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            from vllm import LLM
 
-        return LLM(**self._llm_kwargs())
+            return LLM(**self._llm_kwargs())
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     def _warmup(self) -> None:
         from vllm import SamplingParams

@@ -34,6 +34,7 @@ needs_transformers = pytest.mark.skipif(not HAVE_TRANSFORMERS, reason="transform
 TOKENIZER_PROBES = ["What is 3 + 4? The answer is 7.", "  two  spaces", "a\nb", "ünïcödé", "\\boxed{1/2}"]
 PROMPT_TEXTS = ["What is 12 + 30?", "Compute 7 * 8.", "The quick brown fox"]
 TOL = 1e-4
+MULTIPROCESSING_ENV_AT_IMPORT = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
 
 
 # ---------------------------------------------------------------------------
@@ -228,6 +229,8 @@ class TestInProcessEngine:
             assert reason in ("stop", "length")
             assert (reason == "length") == (n == 16 and ids[-1] != 2)
         assert batch.logprobs_mode == "processed_logprobs" and engine.startup_seconds > 0
+        # set for vLLM's start only: a leftover 0 would make later engines in-process
+        assert os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == MULTIPROCESSING_ENV_AT_IMPORT
 
     def test_accepts_dataset_prompts(self, engine, prompts, artifacts, tmp_path):
         """The trainer passes data.Prompt objects, not id lists."""
