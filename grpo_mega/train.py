@@ -129,7 +129,7 @@ def run(t: Trainer) -> dict:
                                f"checkpoint is kept in {t.ckpt_dir} (lower --optimizer.lr?)")
         if cfg.algorithm.ref_reset_every and t.step % cfg.algorithm.ref_reset_every == 0 and t.ref is not None:
             t.ref.load_state_dict(t.model.state_dict())  # iterative GRPO: ref <- current policy
-        if every and (t.step % every == 0 or t.step == steps):
+        if (every and t.step % every == 0) or t.step == steps:  # the final one always runs
             last_eval = m["eval_accuracy"] = evaluate(t, t.step)
         t.eval_last = last_eval
         t.log(t.step, m)
@@ -145,8 +145,9 @@ def main(argv=None) -> int:
     try:
         summary = run(t)
         if t.ps.rank == 0:
-            print(f"[grpo] done: held-out accuracy {summary['eval_accuracy_initial']:.1%} -> "
-                  f"{summary['eval_accuracy_final']:.1%} in {summary['steps']} steps, "
+            pct = lambda v: "n/a" if v is None else f"{v:.1%}"  # noqa: E731
+            print(f"[grpo] done: held-out accuracy {pct(summary['eval_accuracy_initial'])} -> "
+                  f"{pct(summary['eval_accuracy_final'])} in {summary['steps']} steps, "
                   f"{summary['wall_seconds']:.0f}s; run dir {t.cfg.logging.run_dir}", flush=True)
     finally:
         t.close()
