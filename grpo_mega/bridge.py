@@ -334,7 +334,9 @@ class VLLMEngine:
 
 class _LLMHolder:
     """Adapter for an object with ``update_weights`` and a ``vllm.LLM`` in ``.llm``
-    (``rollout.RolloutEngine``): its own update path, the LLM for the rest."""
+    (``rollout.RolloutEngine``): its own update path, the LLM for the rest. A child-
+    process engine runs the bridge's worker functions through the worker's by-name
+    ``grpo_mega_call(target, *args)`` hook (rollout.WorkerExtension)."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -344,24 +346,28 @@ class _LLMHolder:
     def holds_engine(self) -> bool:
         return bool(getattr(self.engine, "holds_engine", True)) and self.engine.llm is not None
 
+    def _call(self, fn, *args):
+        llm = self.engine.llm
+        if getattr(self.engine, "mode", None) != "child":
+            return llm.collective_rpc(fn, args=args)
+        try:
+            return llm.collective_rpc("grpo_mega_call", args=(f"{fn.__module__}:{fn.__name__}",) + args)
+        except NotImplementedError as e:
+            raise WeightSyncError(
+                "a child-process engine runs bridge functions only through its worker's "
+                "grpo_mega_call hook (rollout.WorkerExtension) or grpo_mega.bridge."
+                "BridgeWorkerExtension; this engine's worker_extension_cls has neither "
+                "(or turn verification off: rollout.verify_sync=false)") from e
+
     def update_weights(self, named_tensors) -> None:
         self.engine.update_weights(named_tensors)
-        if getattr(self.engine, "mode", None) != "child":  # a child engine needs the extension
-            self.engine.llm.collective_rpc(repack_worker_shared_weights)
+        self._call(repack_worker_shared_weights)  # tied lm_head on CPU, see reload_worker_weights
 
     def reset_prefix_cache(self) -> None:
         self.engine.llm.reset_prefix_cache()
 
     def probe_weights(self, specs) -> list[dict]:
-        if getattr(self.engine, "mode", None) != "child":
-            return self.engine.llm.collective_rpc(probe_worker_weights, args=(specs,))
-        try:  # a child-process worker only runs methods it has by name
-            return self.engine.llm.collective_rpc("grpo_bridge_probe", args=(specs,))
-        except NotImplementedError as e:
-            raise WeightSyncError(
-                "cannot verify a child-process engine whose worker_extension_cls lacks "
-                "grpo_bridge_probe: derive it from grpo_mega.bridge.BridgeWorkerExtension, "
-                "or turn verification off (rollout.verify_sync=false)") from e
+        return self._call(probe_worker_weights, specs)
 
 
 def as_sync_engine(engine):

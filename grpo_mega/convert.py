@@ -30,13 +30,11 @@ CLIs: ``tools/convert_checkpoint.py`` and ``tools/verify_checkpoint.py``.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import re
 import shutil
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -51,7 +49,7 @@ from grpo_mega.mapping import MappingError, MissingTensorError, ShapeMismatchErr
 
 __all__ = [
     "CheckpointError", "hf_to_mcore", "mcore_to_hf", "load_mcore_weights", "load_hf_weights",
-    "compare_logits", "read_model_config", "checkpoint_key", "HFReader", "META_FILE", "FORMAT",
+    "compare_logits", "read_model_config", "release_checkpoint_writer", "checkpoint_key", "HFReader", "META_FILE", "FORMAT",
 ]
 
 FORMAT = "grpo-mega/mcore-weights/1"
@@ -182,10 +180,12 @@ def _ensure_world() -> None:
     cpu_compat.apply()  # no-op when CUDA is present
     if dist.is_initialized():
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # A file rendezvous: a free TCP port picked here can be taken by another process
+    # before gloo binds it (EADDRINUSE on a busy machine).
+    fd, path = tempfile.mkstemp(prefix="grpo_mega_world_")
+    os.close(fd)
+    os.unlink(path)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
 
 
 def _save_strategy():
@@ -195,26 +195,19 @@ def _save_strategy():
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
 
 
-@contextlib.contextmanager
-def _writer_manager_released():
-    """Shut down the multiprocessing Manager megatron's checkpoint writer starts (and
-    caches) on its first save, if this save started it: otherwise the Manager's server
-    process outlives a process that is killed rather than exiting cleanly, holding
-    its stdout open (a CI step waiting for EOF would hang)."""
+def release_checkpoint_writer() -> None:
+    """Shut down the multiprocessing Manager that megatron's checkpoint writer starts on
+    its first save and keeps for later saves. A process that exits normally does this
+    itself; call it before a process may be killed instead (a test harness), since the
+    Manager's server would outlive it and hold its stdout open."""
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
     except ImportError:  # pragma: no cover - other megatron layouts
-        yield
         return
-    had = getattr(fa, "_results_queue", None) is not None
-    try:
-        yield
-    finally:
-        queue = getattr(fa, "_results_queue", None)
-        manager = getattr(queue, "_manager", None)
-        if not had and manager is not None:
-            fa._results_queue = None
-            manager.shutdown()
+    manager = getattr(getattr(fa, "_results_queue", None), "_manager", None)
+    if manager is not None:
+        fa._results_queue = None
+        manager.shutdown()
 
 
 def read_model_config(path: str | os.PathLike) -> ModelConfig:
@@ -310,8 +303,7 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             _say(progress, f"[hf-to-mcore]{f' rank {rank}' if world > 1 else ''} "
                            f"{i + 1}/{len(mine)} {name} {tuple(t.shape)} {t.dtype}")
         _say(progress, f"[hf-to-mcore] writing torch_dist checkpoint ({len(names)} tensors)")
-        with _writer_manager_released():
-            dist_checkpointing.save(sharded, str(tmp), sharded_strategy=_save_strategy())
+        dist_checkpointing.save(sharded, str(tmp), sharded_strategy=_save_strategy())
         if rank == 0:
             _write_side_files(tmp, hf_dir, cfg, hf_config)
         if world > 1:
@@ -578,6 +570,7 @@ def compare_logits(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *, ba
     from grpo_mega.parallel import init_parallel
 
     cfg = dataclasses.replace(read_model_config(ckpt_dir), dtype="float32")
+    _ensure_world()
     ps = init_parallel(1, 1)
     model = build_model(cfg, ps, frozen=True)
     if (Path(ckpt_dir) / "metadata.json").is_file():

@@ -262,6 +262,9 @@ def _rank_main(rank: int, world: int, root: str) -> dict:
         report[f"seconds after {vname}"] = time.perf_counter() - start
     _bridge_checks(rank, Path(root), report)
     report["seconds"] = time.perf_counter() - start
+    from grpo_mega.convert import release_checkpoint_writer
+
+    release_checkpoint_writer()  # run_ranks may kill a slow-exiting rank; leave no Manager behind
     return report
 
 
