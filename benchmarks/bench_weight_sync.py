@@ -1,0 +1,196 @@
+"""Benchmark: weight sync trainer -> vLLM through the bridge vs the naive baseline.
+
+What is timed (one process, CPU, float32, trainer at TP=1 next to an in-process engine):
+  bridge          WeightBridge.sync(): export HF tensors from the megatron model in
+                  buckets, reload_weights in place, reset the prefix cache, verify
+                  (verification also reported on its own)
+  bridge_shm      the same through safetensors files in /dev/shm (the path an engine in
+                  another process takes), verification off
+  naive_rebuild   save an HF checkpoint to disk, then build a new engine from it
+  naive_reload    save an HF checkpoint to disk, then reload_weights(weights_path=...)
+Each is the median of --repeats runs; GB/s = HF bytes moved / seconds.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_weight_sync.py            # tiny + ~100M
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_weight_sync.py --sizes tiny --repeats 5
+
+Not a test: numbers depend on the machine and its load (print them with the load average).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SIZES = {
+    # name: write_hf_checkpoint kwargs
+    "tiny": dict(family="qwen2", tie=True, vocab_size=300, hidden_size=128, num_layers=2,
+                 num_heads=4, num_kv_heads=2, intermediate_size=192),
+    "100m": dict(family="llama", tie=True, vocab_size=32000, hidden_size=768, num_layers=12,
+                 num_heads=12, num_kv_heads=4, intermediate_size=2048),
+}
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _engine(hf_dir: Path):
+    from vllm import LLM
+
+    return LLM(model=str(hf_dir), dtype="float32", enforce_eager=True, max_model_len=64,
+               distributed_executor_backend="uni", skip_tokenizer_init=True, seed=0)
+
+
+def _shutdown(llm) -> None:
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+
+
+def _save_hf(model, cfg, ps, src: Path, out: Path) -> None:
+    """The naive path: the whole HF state dict to a checkpoint directory on disk."""
+    from safetensors.torch import save_file
+
+    from grpo_mega.bridge import export_hf_weights
+
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    state = {n: t.contiguous() for n, t in export_hf_weights(model, cfg, ps)}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copyfile(src / "config.json", out / "config.json")
+    os.sync()  # a checkpoint is on disk only once written back
+
+
+def bench_size(name: str, root: Path, repeats: int, bucket_mb: float) -> dict:
+    import torch
+
+    from grpo_mega import convert
+    from grpo_mega.bridge import VLLMEngine, WeightBridge
+    from grpo_mega.models import build_model
+    from grpo_mega.parallel import init_parallel
+    from tests.scripts.bridge_fixtures import write_hf_checkpoint
+
+    kw = dict(SIZES[name])
+    family = kw.pop("family")
+    hf_dir = write_hf_checkpoint(root / name / "hf", family, **kw)
+    cfg = convert.read_model_config(hf_dir)
+    if not torch.distributed.is_initialized():  # file rendezvous, no port to race for
+        torch.distributed.init_process_group("gloo", init_method=f"file://{root / 'world'}",
+                                             rank=0, world_size=1)
+    ps = init_parallel(1, 1)
+    model = build_model(cfg, ps)
+    convert.load_hf_weights(model, hf_dir, ps, cfg)
+    params = sum(p.numel() for p in model.parameters())
+
+    start = time.perf_counter()
+    llm = _engine(hf_dir)
+    first_engine = time.perf_counter() - start
+    engine = VLLMEngine(llm)
+    bridge = WeightBridge(model, cfg, ps, [engine], bucket_bytes=int(bucket_mb * 2**20))
+    bridge.sync()  # warm up
+    with torch.no_grad():  # weights change between syncs, as after optimizer steps
+        for p in model.parameters():
+            p.mul_(1.0001)
+
+    stats = []
+    sync_s = _median_time(lambda: stats.append(bridge.sync()), repeats)
+    verify_s = statistics.median(s.verify_seconds for s in stats)
+    nbytes = stats[-1].bytes
+    shm_bridge = WeightBridge(model, cfg, ps, [VLLMEngine(llm, transport="file", worker_extension=False)],
+                              bucket_bytes=int(bucket_mb * 2**20), verify=False)
+    shm_s = _median_time(shm_bridge.sync, repeats)
+
+    ckpt = root / name / "naive"
+    save_s = _median_time(lambda: _save_hf(model, cfg, ps, hf_dir, ckpt), repeats)
+    reload_s = _median_time(lambda: llm.collective_rpc(
+        "reload_weights", kwargs={"weights_path": str(ckpt)}), repeats)
+    rebuild = []
+
+    def rebuild_once():
+        start = time.perf_counter()
+        new = _engine(ckpt)
+        rebuild.append(time.perf_counter() - start)
+        _shutdown(new)
+
+    for _ in range(max(1, min(repeats, 2))):  # an engine start is slow; 2 are enough
+        rebuild_once()
+    rebuild_s = statistics.median(rebuild)
+    _shutdown(llm)
+
+    res = {
+        "size": name, "params": params, "hf_bytes": nbytes, "buckets": stats[-1].buckets,
+        "first_engine_start_s": first_engine,
+        "bridge_export_s": statistics.median(s.export_seconds for s in stats),
+        "bridge_engine_s": statistics.median(s.engine_seconds for s in stats),
+        "bridge_s": sync_s, "bridge_verify_s": verify_s, "bridge_no_verify_s": sync_s - verify_s,
+        "bridge_gbps": nbytes / sync_s / 1e9, "bridge_shm_s": shm_s, "bridge_shm_gbps": nbytes / shm_s / 1e9,
+        "naive_save_s": save_s, "naive_reload_s": save_s + reload_s, "naive_rebuild_s": save_s + rebuild_s,
+    }
+    res["speedup_vs_rebuild"] = res["naive_rebuild_s"] / sync_s
+    res["speedup_vs_disk_reload"] = res["naive_reload_s"] / sync_s
+    return res
+
+
+def _report(res: dict) -> None:
+    print(f"[bench] {res['size']}: {res['params'] / 1e6:.1f}M params, {res['hf_bytes'] / 1e6:.1f} MB in "
+          f"{res['buckets']} bucket(s) | bridge {res['bridge_s']:.3f} s ({res['bridge_gbps']:.2f} GB/s; "
+          f"verify {res['bridge_verify_s']:.3f} s) | bridge via /dev/shm {res['bridge_shm_s']:.3f} s | "
+          f"naive: disk save {res['naive_save_s']:.2f} s, + reload_weights(path) = "
+          f"{res['naive_reload_s']:.2f} s, + engine rebuild = {res['naive_rebuild_s']:.2f} s | "
+          f"speedup x{res['speedup_vs_rebuild']:.0f} vs rebuild, x{res['speedup_vs_disk_reload']:.1f} "
+          f"vs disk reload", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="tiny,100m", help=f"comma list of {sorted(SIZES)}")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per measurement (median)")
+    ap.add_argument("--bucket-mb", type=float, default=256.0, help="bridge bucket size (MiB)")
+    ap.add_argument("--out", default=None, help="also write the results as JSON here")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one size, this process
+    args = ap.parse_args(argv)
+    if args.one:  # engines and process groups do not survive a second size in one process
+        root = Path(tempfile.mkdtemp(prefix="bench_weight_sync_"))
+        try:
+            res = bench_size(args.one, root, args.repeats, args.bucket_mb)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        Path(args.out).write_text(json.dumps(res))
+        return 0
+    import subprocess
+
+    results = []
+    for name in args.sizes.split(","):
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            subprocess.run([sys.executable, __file__, "--one", name, "--repeats", str(args.repeats),
+                            "--bucket-mb", str(args.bucket_mb), "--out", f.name], check=True,
+                           stdout=subprocess.DEVNULL)
+            results.append(json.loads(Path(f.name).read_text()))
+        _report(results[-1])
+    print(f"[bench] load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
