@@ -460,7 +460,7 @@ def _compare(name: str, probe: _Probe, reading: dict, engine_dtype: torch.dtype,
     exp = exp[_positions(reading.get("rows"), probe.rows)]
     if exp.ndim == 2:
         exp = exp[:, _positions(reading.get("cols"), probe.cols)]
-    val = reading["values"].detach().float()
+    val = _values(reading["values"])
     where = f" ({reading['via']})" if reading.get("via") else ""
     if tuple(val.shape) != tuple(exp.shape):
         return f"{name}{where}: engine returned shape {tuple(val.shape)}, expected {tuple(exp.shape)}"
@@ -577,6 +577,19 @@ def _kernel(module, cols: list[int], start: int, width: int, cache: dict) -> tor
     return cache[key]
 
 
+def _plain(t: torch.Tensor) -> dict:
+    """Values as plain lists: vLLM's RPC encoder turns tensors nested in a result into
+    unresolved buffer references in a child-process engine; floats survive exactly."""
+    t = t.detach().float().cpu()
+    return {"shape": list(t.shape), "data": t.reshape(-1).tolist()}
+
+
+def _values(v) -> torch.Tensor:
+    if isinstance(v, torch.Tensor):
+        return v.detach().float()
+    return torch.tensor(v["data"], dtype=torch.float32).reshape(v["shape"])
+
+
 def _probe_one(model, packed: dict, shared: dict, name: str, rows, cols, cache: dict) -> list[dict]:
     from vllm.model_executor.layers.linear import LinearBase, RowParallelLinear
 
@@ -587,7 +600,7 @@ def _probe_one(model, packed: dict, shared: dict, name: str, rows, cols, cache: 
         held = [r for r in rows if si.org_vocab_start_index <= r < si.org_vocab_end_index]
         local = [r - si.org_vocab_start_index for r in held]
         weight = module._parameters[pname]
-        readings = [{"rows": held, "cols": None, "values": weight[local].float().cpu(),
+        readings = [{"rows": held, "cols": None, "values": _plain(weight[local]),
                      "via": "weight"}]
         # Every module computing with this weight (a tied lm_head too) through its own
         # kernel: on CPU each keeps a prepacked copy that can go stale on its own.
@@ -595,7 +608,7 @@ def _probe_one(model, packed: dict, shared: dict, name: str, rows, cols, cache: 
             if not hasattr(user.quant_method, "apply"):
                 continue
             y = _kernel(user, list(cols), 0, weight.shape[1], cache)
-            readings.append({"rows": held, "cols": list(cols), "values": y[local].float().cpu(),
+            readings.append({"rows": held, "cols": list(cols), "values": _plain(y[local]),
                              "via": f"{type(user).__name__} kernel"})
         return readings
     if isinstance(module, LinearBase) and pname == "weight":
@@ -604,15 +617,15 @@ def _probe_one(model, packed: dict, shared: dict, name: str, rows, cols, cache: 
         held_cols = [c for c in cols if start <= c < start + n_in]
         y = _kernel(module, held_cols, start, n_in, cache)
         local, held = _output_rows(module, shard)
-        return [{"rows": held, "cols": held_cols, "values": y[local].float().cpu(),
+        return [{"rows": held, "cols": held_cols, "values": _plain(y[local]),
                  "via": f"{type(module).__name__} kernel"}]
     if isinstance(module, LinearBase) and pname == "bias":
         local, held = _output_rows(module, shard)
-        return [{"rows": held, "cols": None, "values": module.bias[local].float().cpu()}]
+        return [{"rows": held, "cols": None, "values": _plain(module.bias[local])}]
     t = getattr(module, pname)
     if rows is not None:
-        return [{"rows": list(rows), "cols": None, "values": t[rows].float().cpu()}]
-    return [{"rows": None, "cols": None, "values": t.float().cpu()}]
+        return [{"rows": list(rows), "cols": None, "values": _plain(t[rows])}]
+    return [{"rows": None, "cols": None, "values": _plain(t)}]
 
 
 # =============================================================================== the bridge
