@@ -30,6 +30,8 @@ VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 def split_rule(name: str) -> tuple[Optional[int], bool]:
     """(partition dim or None if replicated, is_gated_fc1)."""
+    if ".layer_norm_" in name:  # TE spec: norms fused into linear_qkv / linear_fc1, replicated
+        return None, False
     if name in VOCAB_PARAMS:
         return 0, False
     if name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias"):

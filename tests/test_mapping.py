@@ -100,6 +100,18 @@ def test_te_fused_norm_names_map_like_local_norms():
     assert te[0][0] == "model.layers.0.post_attention_layernorm.weight"
 
 
+def test_te_fused_norms_are_replicated_over_tp():
+    """Guards against gathering Transformer Engine's fused norm (named
+    linear_qkv.layer_norm_weight, so it looks like a QKV shard) into a tp-times-too-long
+    tensor when exporting from a TE model at TP>1."""
+    from grpo_mega import mcore_layout
+
+    for name in ("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+                 "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"):
+        assert mcore_layout.split_rule(name) == (None, False)
+    assert mcore_layout.split_rule("decoder.layers.0.self_attention.linear_qkv.weight") == (0, False)
+
+
 @pytest.mark.parametrize("family,tie", [("llama", True), ("llama", False), ("qwen2", True), ("qwen3", False)])
 def test_table_covers_transformers_state_dict_and_round_trips(family, tie):
     """Guards against a table that misses or invents a tensor for a real transformers
