@@ -36,7 +36,7 @@ STAGES = ("rollout", "reward", "advantage", "logprobs", "update", "sync")
 def run_demo(tp: int, steps: int, force_old: bool) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench_tp{tp}_"))
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                 "--master-port", "0"] if tp == 2 else [sys.executable])
+                 "--standalone"] if tp == 2 else [sys.executable])
     cmd = launcher + ["-m", "grpo_mega.train", "--config", str(CONFIG), f"--parallel.tp={tp}",
                       f"--model.hf_checkpoint={ASSETS / 'hf'}", f"--data.train_path={ASSETS / 'train.jsonl'}",
                       f"--data.eval_path={ASSETS / 'eval.jsonl'}", f"--logging.run_dir={run_dir}",

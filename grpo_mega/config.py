@@ -101,7 +101,7 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)
     """Stop strings."""
     seed: int = 0
-    """Sampling seed; each step uses seed + step."""
+    """Sampling seed; each request's seed is a hash of (seed, step, prompt index), so a resumed run resamples identically."""
     engine_mode: str = "auto"
     """``auto``, ``external_launcher`` (colocated in every rank), ``child`` (own process) or ``inprocess``."""
     gpu_memory_utilization: float = 0.3

@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
     say("launching GRPO: torchrun, 2 ranks, TP=2 over gloo, vLLM rollouts, KL to a reference "
         "model (per-step lines below; held-out accuracy every 20 steps)")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", "0", "-m", "grpo_mega.train", "--config", str(CONFIG),
+           "--standalone", "-m", "grpo_mega.train", "--config", str(CONFIG),
            f"--model.hf_checkpoint={assets / 'hf'}", f"--model.init_checkpoint={mcore}",
            f"--data.train_path={assets / 'train.jsonl'}", f"--data.eval_path={assets / 'eval.jsonl'}",
            f"--logging.run_dir={run_dir}", *argv]
