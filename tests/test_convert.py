@@ -42,7 +42,6 @@ def test_hf_to_mcore_to_hf_is_bitwise_identical(reports, variant):
     """Guards against any lossy step (dtype, QKV grouping, fc1 halves, vocabulary
     padding, tied lm_head) in HF -> torch_dist -> HF, converted by 4 ranks together."""
     assert _one(reports, f"roundtrip {variant}") == {0: []}
-    assert _one(reports, f"roundtrip_files_identical {variant}") == {0: True}
 
 
 @pytest.mark.parametrize("tp,pp", bridge_ranks.LAYOUTS)
