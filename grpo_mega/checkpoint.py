@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from grpo_mega.models import sharded_state_dict
 from grpo_mega.parallel import ParallelState
 
 SHAPE_FIELDS = ("family", "vocab_size", "hidden_size", "num_layers", "num_attention_heads",
@@ -97,7 +98,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: Pa
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier()
-    model_sd = model.sharded_state_dict()
+    model_sd = sharded_state_dict(model, ps)
     sharded = {"model": model_sd, "optimizer": _optimizer_sharded(model_sd, optimizer)}
     dist_checkpointing.save(sharded, str(tmp))
     torch.save({"rng_cpu": torch.get_rng_state(), "layout": (ps.tp, ps.pp, ps.dp),
@@ -146,7 +147,7 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, ps: ParallelState
                 f"checkpoint {path} was saved for a different model: "
                 + ", ".join(f"model.{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
                 + "; fix --model.* or point --checkpoint.dir elsewhere")
-    model_sd = model.sharded_state_dict()
+    model_sd = sharded_state_dict(model, ps)
     sharded = {"model": model_sd}
     if optimizer is not None:
         sharded["optimizer"] = _optimizer_sharded(model_sd, optimizer)

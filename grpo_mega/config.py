@@ -426,14 +426,6 @@ CHOICES = {
 }
 
 
-def _te_importable() -> bool:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-        return True
-    except Exception:  # noqa: BLE001 - the CPU meta package raises RuntimeError, not ImportError
-        return False
-
-
 def derived_dp(cfg: Config, world_size: int) -> int:
     mp = cfg.parallel.tp * cfg.parallel.pp
     return cfg.parallel.dp or max(world_size // mp, 1)
@@ -528,7 +520,8 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
         import torch
         if not torch.cuda.is_available():
             raise ConfigError("model.fp8=true needs a CUDA GPU, and none is available (--model.fp8=false)")
-        if not _te_importable():
+        from grpo_mega.models import te_available
+        if not te_available():
             raise ConfigError("model.fp8=true needs Transformer Engine, which does not import here; "
                               "install the gpu extra or set --model.fp8=false")
     if m.dtype == "bfloat16" and check_hardware:

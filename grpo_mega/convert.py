@@ -239,6 +239,17 @@ def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
     os.rename(tmp, out)
 
 
+def _publish_collectively(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Every rank has finished writing into ``tmp``; rank 0 renames it to ``out``."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        dist.barrier()
+    if world == 1 or dist.get_rank() == 0:
+        _publish(tmp, out, overwrite)
+    if world > 1:
+        dist.barrier()
+
+
 def _shared_tmp_dir(out: Path) -> Path:
     """Rank 0 makes the temporary directory; every rank learns its name."""
     box = [str(_tmp_dir_for(out)) if dist.get_rank() == 0 else None]
@@ -306,12 +317,7 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         dist_checkpointing.save(sharded, str(tmp), sharded_strategy=_save_strategy())
         if rank == 0:
             _write_side_files(tmp, hf_dir, cfg, hf_config)
-        if world > 1:
-            dist.barrier()
-        if rank == 0:
-            _publish(tmp, out, overwrite)
-        if world > 1:
-            dist.barrier()
+        _publish_collectively(tmp, out, overwrite)
         _say(progress, f"[hf-to-mcore] done: {out} ({time.perf_counter() - start:.1f} s)")
         return out
     except BaseException:
@@ -469,12 +475,7 @@ def mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             files = writer.finish()
             _write_hf_side_files(tmp, src, cfg)
             _say(progress, f"[mcore-to-hf] wrote {', '.join(files)} ({writer.total / 1e6:.1f} MB)")
-        if dist.get_world_size() > 1:
-            dist.barrier()
-        if rank == 0:
-            _publish(tmp, out, overwrite)
-        if dist.get_world_size() > 1:
-            dist.barrier()
+        _publish_collectively(tmp, out, overwrite)
         _say(progress, f"[mcore-to-hf] done: {out} ({time.perf_counter() - start:.1f} s)")
         return out
     except BaseException:
@@ -516,7 +517,8 @@ def load_mcore_weights(model, ckpt_dir: str | os.PathLike, ps, model_cfg: Option
     if model_cfg is not None:
         _validate_checkpoint(meta, model_cfg, ckpt)
     model = _unwrap(model)
-    sharded = {k: v for k, v in model.sharded_state_dict(metadata=_sharded_metadata(ps)).items()
+    from grpo_mega.models import sharded_state_dict
+    sharded = {k: v for k, v in sharded_state_dict(model, ps).items()
                if not isinstance(v, ShardedObject)}  # _extra_state: nothing to restore for weights
     loaded = dist_checkpointing.load(sharded, str(ckpt))
     result = model.load_state_dict(loaded, strict=False)
@@ -524,11 +526,6 @@ def load_mcore_weights(model, ckpt_dir: str | os.PathLike, ps, model_cfg: Option
     if missing or result.unexpected_keys:
         raise CheckpointError(f"loading {ckpt} left parameters unset: {missing[:10]} "
                               f"(unexpected: {result.unexpected_keys[:10]})")
-
-
-def _sharded_metadata(ps) -> dict:
-    # Tied embeddings on a last PP stage need the DP group for their replica ids.
-    return {"dp_cp_group": ps.dp_group}
 
 
 def load_hf_weights(model, hf_dir: str | os.PathLike, ps, model_cfg: Optional[ModelConfig] = None) -> None:

@@ -67,16 +67,13 @@ def _target_logits(logits: torch.Tensor, vocab_size: int, ps: ParallelState,
 
 
 def compute_logprobs(model, micro: list[dict], ps: ParallelState, *, vocab_size: int,
-                     temperature: float, key: str, with_entropy: bool = False) -> None:
-    """Forward-only pass; stores ``mb[key]: [b, s-1]`` (and ``entropy``) on the last stage."""
+                     temperature: float, key: str) -> None:
+    """Forward-only pass; stores ``mb[key]: [b, s-1]`` on the last stage."""
 
     def loss_fn(logits, mb):
         z = _target_logits(logits, vocab_size, ps, temperature)
         tgt = mb["tokens"][:, 1:].to(z.device)
-        out = {key: A.vocab_parallel_logprobs(z, tgt, ps.tp_group).cpu()}
-        if with_entropy:
-            out["entropy"] = A.vocab_parallel_entropy(z, ps.tp_group).cpu()
-        return z.new_zeros(()), out
+        return z.new_zeros(()), {key: A.vocab_parallel_logprobs(z, tgt, ps.tp_group).cpu()}
 
     outs = run_microbatches(model, micro, loss_fn, ps, forward_only=True)
     for mb, o in zip(micro, outs):

@@ -59,7 +59,7 @@ class MetricsSink:
         parts = [f"step {step:>{width}}/{self.total}" if self.total else f"step {step}"]
         for key, label, fmt in CONSOLE_KEYS:
             if key in m:
-                parts.append(f"{label} {fmt.format(m[key])}" if label != "±" else f"± {fmt.format(m[key])}")
+                parts.append(f"{label} {fmt.format(m[key])}")
         stages = " ".join(f"{k[5:]} {v:.2f}" for k, v in m.items() if k.startswith("time/"))
         if stages:
             parts.append(f"| s: {stages}")

@@ -121,6 +121,14 @@ def build_model(m: ModelConfig, ps: ParallelState, *, frozen: bool = False,
     return model
 
 
+def sharded_state_dict(model, ps: ParallelState) -> dict:
+    """megatron's sharded state dict of this rank's stage, for dist checkpointing.
+
+    The tied embedding's copy on the last PP stage needs the DP group to get its
+    replica ids right, so every caller goes through here."""
+    return model.sharded_state_dict(metadata={"dp_cp_group": ps.dp_group})
+
+
 def mask_vocab_padding(logits_shard: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
     """Push padded vocabulary columns of this shard to a huge negative value.
 

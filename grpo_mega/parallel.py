@@ -78,7 +78,7 @@ def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 1234,
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         dist.init_process_group(backend or ("nccl" if cuda else "gloo"),
                                 timeout=timedelta(minutes=timeout_minutes))
@@ -120,7 +120,8 @@ def destroy_parallel() -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """An unused TCP port on 127.0.0.1 (for single-machine worlds and tests)."""
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

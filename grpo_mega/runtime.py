@@ -51,6 +51,8 @@ class Trainer:
     step: int = 0
     eval_initial: Optional[float] = None
     eval_last: Optional[float] = None
+    reward_failures: int = 0
+    """Samples whose reward raised or timed out in the last scoring (on_error=zero)."""
     started: float = field(default_factory=time.time)
 
     @property
@@ -106,7 +108,7 @@ class Trainer:
         return {"reward_mean": mean, "reward_std": math.sqrt(max(float(v[1]) / n - mean * mean, 0.0)),
                 "accuracy": float(v[3]) / n, "response_len": float(v[4]) / n,
                 "truncated_frac": float(v[5]) / n,
-                "reward_failures": float(getattr(self, "reward_failures", 0))}
+                "reward_failures": float(self.reward_failures)}
 
     # ------------------------------------------------------------------ metrics
     def gather_metrics(self, metrics: dict) -> dict:

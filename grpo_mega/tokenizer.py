@@ -263,15 +263,20 @@ def write_hf_tokenizer_dir(
     backend.save(str(out / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
               "clean_up_tokenization_spaces": False, **special}
-    if chat_template is not None:
-        config["chat_template"] = chat_template
-    _write_json(out / "tokenizer_config.json", config)
-    _write_json(out / "special_tokens_map.json", special)
+    _write_tokenizer_config(out, config, special, chat_template)
     return out
 
 
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _write_tokenizer_config(out: Path, config: dict, special: dict, chat_template: str | None) -> None:
+    """tokenizer_config.json (with the chat template, if any) and special_tokens_map.json."""
+    if chat_template is not None:
+        config = dict(config, chat_template=chat_template)
+    _write_json(out / "tokenizer_config.json", config)
+    _write_json(out / "special_tokens_map.json", special)
 
 
 # Qwen2's pre-tokenizer split (transformers' Qwen2Tokenizer.PRETOKENIZE_REGEX).
@@ -325,8 +330,5 @@ def train_bpe_tokenizer(
     config = {"tokenizer_class": "Qwen2Tokenizer", "model_max_length": model_max_length,
               "clean_up_tokenization_spaces": False, "add_prefix_space": False,
               "add_bos_token": False, **special}
-    if chat_template is not None:
-        config["chat_template"] = chat_template
-    _write_json(out / "tokenizer_config.json", config)
-    _write_json(out / "special_tokens_map.json", special)
+    _write_tokenizer_config(out, config, special, chat_template)
     return out

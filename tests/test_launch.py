@@ -29,6 +29,7 @@ import yaml
 
 from grpo_mega import check_config as cc
 from grpo_mega.config import load_config, validate
+from grpo_mega.parallel import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN_SH = REPO / "launch" / "torchrun.sh"
@@ -53,12 +54,6 @@ JOB = ("grpo_mega.train", "grpo_mega/configs/demo.yaml",
         "--algorithm.time_limit_minutes=0", "--logging.tensorboard=false",
         f"--logging.run_dir={tempfile.mkdtemp(prefix='grpo_launch_')}"],
        "[grpo] done:")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_env(**overrides: str) -> dict:

@@ -31,42 +31,15 @@ def _model_cfg(**kw):
                        make_vocab_size_divisible_by=16, **kw)
 
 
-class _SumOverTP(torch.autograd.Function):
-    """All-reduce in forward, identity in backward: every TP rank computes the same
-    loss, so each must only backprop its own share (torch.distributed.nn's version
-    all-reduces the grads too and would scale them by tp)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        torch.distributed.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 def _loss_fn(vocab_size, tp_rank, tp_group, total_tokens, store):
     """Mean next-token NLL over the global batch, vocab-parallel (logits never gathered)."""
+    from grpo_mega.algorithms import vocab_parallel_logprobs
     from grpo_mega.models import mask_vocab_padding
 
     def fn(logits, mb):
         logits = mask_vocab_padding(logits, vocab_size, tp_rank)
-        z, tgt = logits[:, :-1].float(), mb["tokens"][:, 1:]
-        shard = z.shape[-1]
-        zmax = z.detach().max(-1, keepdim=True).values
-        if tp_group is not None:
-            zmax = zmax.clone()
-            torch.distributed.all_reduce(zmax, op=torch.distributed.ReduceOp.MAX, group=tp_group)
-        sumexp = (z - zmax).exp().sum(-1)
-        local = tgt - tp_rank * shard
-        inside = (local >= 0) & (local < shard)
-        picked = z.gather(-1, local.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1) * inside
-        if tp_group is not None:
-            sumexp = _SumOverTP.apply(sumexp, tp_group)
-            picked = _SumOverTP.apply(picked, tp_group)
-        nll = (zmax.squeeze(-1) + sumexp.log() - picked) * mb["mask"][:, 1:]
+        logp = vocab_parallel_logprobs(logits[:, :-1].float(), mb["tokens"][:, 1:], tp_group)
+        nll = -logp * mb["mask"][:, 1:]
         if store is not None:
             store.append(logits.detach().clone())
         return nll.sum() / total_tokens, {"nll_sum": nll.sum().detach().clone()}
