@@ -245,6 +245,9 @@ def build_trainer(argv=None) -> Trainer:
         else:
             convert.load_hf_weights(m, cfg.model.hf_checkpoint, ps, cfg.model)
 
+    if ref is not None and cfg.checkpoint.offload_reference:
+        from grpo_mega.models import offload
+        offload(ref, torch.device("cpu"))
     from grpo_mega.optimizer import build_optimizer
     optimizer = build_optimizer(model, cfg.optimizer, ps)
     warm = max(cfg.optimizer.warmup_steps, 0)

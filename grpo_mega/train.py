@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega import algorithms as A
+from grpo_mega import models
 from grpo_mega.experience import Sample, compute_logprobs, make_micro_batches, update_policy
 from grpo_mega.runtime import Trainer, build_trainer, evaluate, save, stage
 
@@ -66,7 +67,12 @@ def train_on(t: Trainer, samples: list[Sample], timings: dict) -> dict:
     kw = dict(vocab_size=cfg.model.vocab_size, temperature=t.temperature)
     with stage("logprobs", timings):
         if t.ref is not None and flat:
+            offload = cfg.checkpoint.offload_reference  # keep the frozen copy off the GPU between uses
+            if offload:
+                models.offload(t.ref, ps.device)
             compute_logprobs(t.ref, flat, ps, key="ref_logp", **kw)
+            if offload:
+                models.offload(t.ref, torch.device("cpu"))
         if off_policy and flat:
             compute_logprobs(t.model, flat, ps, key="old_logp", **kw)
     metrics: dict = {}
