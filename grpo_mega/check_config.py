@@ -197,7 +197,7 @@ def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = 80.0) -> Budget:
     b.trainer.append(Row("gradients", n * 4 / GiB, "fp32 main grads"))
     b.trainer.append(Row("optimizer", n * opt_bytes / (dp if dist_opt else 1) / GiB,
                          f"Adam m, v{' + fp32 master' if wb < 4 else ''} ({opt_bytes} B/param)"
-                         + (f", distributed over dp={dp}" if dist_opt else ", not sharded")))
+                         + (f", distributed over dp={dp} (planned: refused at start-up today)" if dist_opt else ", not sharded")))
     ref_on = cfg.algorithm.kl_coef > 0
     offload = cfg.checkpoint.offload_reference
     b.trainer.append(Row("reference weights", n * wb / GiB if ref_on and not offload else 0.0,

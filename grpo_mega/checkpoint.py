@@ -1,6 +1,7 @@
 """Checkpoint / resume with megatron-core distributed checkpointing.
 
-A checkpoint holds the model, the optimizer state (resharded like the model),
+A checkpoint holds the model, the optimizer state (Adam moments, and fp32 master
+weights when training in bf16, resharded like the model),
 the step, the data position, the LR schedule position and the model shape. It is
 saved in megatron's ``torch_dist`` format, so a run saved at one TP/PP layout
 resumes at another. Per-rank RNG states are stored beside it and restored only
@@ -51,17 +52,13 @@ def _optimizer_sharded(model_sd: dict, optimizer) -> dict:
         data = getattr(sh, "data", None)
         if not isinstance(data, torch.Tensor) or data.data_ptr() not in by_ptr:
             continue
-        p = by_ptr[data.data_ptr()]
-        state = optimizer.opt.state[p]
-        if "exp_avg" not in state:  # before the first step: load into zeros
-            state["exp_avg"] = torch.zeros_like(p)
-            state["exp_avg_sq"] = torch.zeros_like(p)
-            state["step"] = torch.zeros((), dtype=torch.float32)
-        for moment in ("exp_avg", "exp_avg_sq"):
+        for name, tensor in optimizer.state_tensors(by_ptr[data.data_ptr()]).items():
             # Keyed by the local path: megatron's keys repeat across layers (the layer
-            # is an extra sharded axis), so sh.key alone would collide.
-            out[f"{moment}.{path}"] = dataclasses.replace(
-                sh, key=f"optimizer.{moment}.{sh.key}", data=state[moment])
+            # is an extra sharded axis), so sh.key alone would collide. fp32 moments of
+            # a bf16 parameter carry their own dtype.
+            extra = {"dtype": tensor.dtype} if "dtype" in {f.name for f in dataclasses.fields(sh)} else {}
+            out[f"{name}.{path}"] = dataclasses.replace(
+                sh, key=f"optimizer.{name}.{sh.key}", data=tensor, **extra)
     return out
 
 
@@ -102,7 +99,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: Pa
     sharded = {"model": model_sd, "optimizer": _optimizer_sharded(model_sd, optimizer)}
     dist_checkpointing.save(sharded, str(tmp))
     torch.save({"rng_cpu": torch.get_rng_state(), "layout": (ps.tp, ps.pp, ps.dp),
-                "adam_step": _adam_step(optimizer)},
+                "adam_step": optimizer.adam_step},
                tmp / f"rank_{ps.rank:05d}.pt")
     _barrier()
     if ps.rank == 0:
@@ -119,13 +116,6 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: Pa
             shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
-
-
-def _adam_step(optimizer) -> float:
-    for st in optimizer.opt.state.values():
-        if "step" in st:
-            return float(st["step"])
-    return 0.0
 
 
 def load_checkpoint(path: str | os.PathLike, model, optimizer, ps: ParallelState,
@@ -170,8 +160,8 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, ps: ParallelState
             moment, key = name.split(".", 1)
             p = by_ptr.get(by_key[key].data_ptr()) if key in by_key else None
             if p is not None:
-                optimizer.opt.state[p][moment].copy_(tensor)
-                optimizer.opt.state[p]["step"] = torch.tensor(float(any_rank.get("adam_step", 0.0)))
+                optimizer.state_tensors(p)[moment].copy_(tensor)
+        optimizer.adam_step = float(any_rank.get("adam_step", 0.0))
         if extra and tuple(extra["layout"]) == (ps.tp, ps.pp, ps.dp):
             torch.set_rng_state(extra["rng_cpu"])
     return meta

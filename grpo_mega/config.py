@@ -24,6 +24,8 @@ from typing import Any, Optional
 
 import yaml
 
+from grpo_mega.precision import FP8_FORMATS, FP8_RECIPES, check_fp8_here
+
 
 class ConfigError(ValueError):
     """A config value is malformed or impossible; the message names the field."""
@@ -66,8 +68,20 @@ class ModelConfig:
     """Pad the vocabulary to a multiple of this times ``parallel.tp`` (megatron convention)."""
     dtype: str = "float32"
     """Parameter dtype: ``float32`` or ``bfloat16``."""
-    fp8: bool = False
-    """FP8 through Transformer Engine; needs TE and a GPU."""
+    fp8: str = "none"
+    """FP8 training through Transformer Engine: ``none``, ``hybrid`` (E4M3 forward, E5M2
+    gradients) or ``e4m3``. Needs TE and a GPU of compute capability >= 8.9; weights and
+    master weights stay in ``dtype`` / fp32, only the GEMMs run in FP8."""
+    fp8_recipe: str = "delayed"
+    """FP8 scaling recipe: ``delayed`` (amax history), ``tensorwise`` (current scaling,
+    TE >= 2.2), ``blockwise`` (TE >= 2.3, Hopper only) or ``mxfp8`` (Blackwell)."""
+    fp8_amax_history_len: int = 1024
+    """Delayed scaling: how many steps of amax history set each scale."""
+    fp8_amax_compute_algo: str = "max"
+    """Delayed scaling: ``max`` or ``most_recent`` of the amax history."""
+    reference_fp8: bool = False
+    """Run the frozen reference model in FP8 too (format and recipe as above); by default
+    it runs in ``dtype`` (bf16) without gradients."""
 
 
 @dataclass
@@ -132,6 +146,10 @@ class RewardConfig:
 
 @dataclass
 class AlgorithmConfig:
+    logprob_kernel: str = "auto"
+    """Per-token log-prob/entropy on the logits shard: ``torch`` (grpo_mega.algorithms),
+    ``triton`` (the fused kernel in grpo_mega.fused_loss; CUDA and Triton) or ``auto``
+    (triton where it can run, else torch). Both compute the same quantities."""
     advantage: str = "outcome"
     """``outcome`` (group z-score) or ``process`` (per-step rewards)."""
     norm: str = "std"
@@ -181,7 +199,8 @@ class OptimizerConfig:
     warmup_steps: int = 0
     """Linear warm-up steps."""
     use_distributed_optimizer: bool = False
-    """Shard optimizer state over DP (GPU, megatron optimizer only)."""
+    """Shard optimizer state over DP (megatron's distributed-optimizer layout). Not wired into
+    the loop yet: ``true`` is refused at start-up; ``check_config`` budgets it."""
 
 
 @dataclass
@@ -415,9 +434,13 @@ def to_dict(cfg: Config) -> dict:
 CHOICES = {
     ("model", "family"): ("llama", "qwen2", "qwen3"),
     ("model", "dtype"): ("float32", "bfloat16"),
+    ("model", "fp8"): FP8_FORMATS,
+    ("model", "fp8_recipe"): FP8_RECIPES,
+    ("model", "fp8_amax_compute_algo"): ("max", "most_recent"),
     ("rollout", "engine_mode"): ("auto", "external_launcher", "child", "inprocess"),
     ("reward", "on_error"): ("stop", "zero"),
     ("algorithm", "advantage"): ("outcome", "process"),
+    ("algorithm", "logprob_kernel"): ("auto", "torch", "triton"),
     ("algorithm", "norm"): ("std", "none"),
     ("algorithm", "baseline"): ("mean", "loo"),
     ("algorithm", "kl_kind"): ("k1", "k2", "k3", "abs", "mse", "low_var_kl", "full"),
@@ -516,16 +539,36 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
         raise ConfigError(f"data.prompts_per_step={d.prompts_per_step} is not divisible by dp={dp} "
                           f"(--data.prompts_per_step)")
 
-    if check_hardware and m.fp8:
+    if m.reference_fp8 and m.fp8 == "none":
+        raise ConfigError("model.reference_fp8=true needs an FP8 format in model.fp8 "
+                          "(--model.fp8=hybrid, or --model.reference_fp8=false)")
+    if m.fp8 != "none":
+        if m.dtype != "bfloat16":
+            raise ConfigError(f"model.fp8={m.fp8} trains FP8 GEMMs around bf16 weights; "
+                              f"model.dtype={m.dtype} must be bfloat16 (--model.dtype=bfloat16)")
+        for name, dim in (("hidden_size", m.hidden_size), ("ffn_hidden_size / tp", m.ffn_hidden_size // p.tp)):
+            if dim % 16:
+                raise ConfigError(f"model.fp8={m.fp8}: FP8 GEMMs need model.{name}={dim} to be a "
+                                  f"multiple of 16 (--model.fp8=none)")
+    if check_hardware:
+        problem = check_fp8_here(m.fp8, m.fp8_recipe)
+        if problem:
+            raise ConfigError(f"model.fp8={m.fp8} fp8_recipe={m.fp8_recipe}: {problem} "
+                              f"(--model.fp8=none)")
+    if check_hardware and a.logprob_kernel == "triton":
+        from grpo_mega.fused_loss import fused_available
         import torch
-        if not torch.cuda.is_available():
-            raise ConfigError("model.fp8=true needs a CUDA GPU, and none is available (--model.fp8=false)")
-        from grpo_mega.models import te_available
-        if not te_available():
-            raise ConfigError("model.fp8=true needs Transformer Engine, which does not import here; "
-                              "install the gpu extra or set --model.fp8=false")
-    if m.dtype == "bfloat16" and check_hardware:
-        pass  # bf16 on CPU is slow but correct; allowed.
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not fused_available(dev):
+            raise ConfigError("algorithm.logprob_kernel=triton needs Triton and a CUDA GPU (or "
+                              "TRITON_INTERPRET=1 on CPU); use --algorithm.logprob_kernel=torch or auto")
+    if check_hardware and o.use_distributed_optimizer:
+        # Checked at start-up only: check_config still budgets the sharded layout of the
+        # scale configs, which is what they will use once the loop can drive it.
+        raise ConfigError("optimizer.use_distributed_optimizer=true: the DP-sharded optimizer is not "
+                          "wired into the loop's LR schedule and checkpoints yet; use "
+                          "--optimizer.use_distributed_optimizer=false (python -m "
+                          "grpo_mega.check_config shows the unsharded memory budget)")
     return cfg
 
 

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from grpo_mega import algorithms as A
+from grpo_mega.fused_loss import fused_logprobs_entropy
 from grpo_mega.models import mask_vocab_padding
 from grpo_mega.parallel import ParallelState
 from grpo_mega.pipeline import run_microbatches
@@ -34,8 +35,10 @@ class Sample:
     advantage: float = 0.0
 
 
-def make_micro_batches(samples: list[Sample], micro_batch_size: int, pad_id: int) -> list[dict]:
-    """Split samples (in order) into micro-batches, each padded to its own longest.
+def make_micro_batches(samples: list[Sample], micro_batch_size: int, pad_id: int,
+                       pad_to_multiple: int = 1) -> list[dict]:
+    """Split samples (in order) into micro-batches, each padded to its own longest
+    (rounded up to ``pad_to_multiple``: FP8 GEMMs need a multiple of 16 tokens).
 
     Each dict: ``tokens [b, s]``, ``mask [b, s-1]`` (bool), ``advantages [b]``,
     ``rollout_logp [b, s-1]``.
@@ -44,6 +47,7 @@ def make_micro_batches(samples: list[Sample], micro_batch_size: int, pad_id: int
     for i in range(0, len(samples), micro_batch_size):
         chunk = samples[i:i + micro_batch_size]
         s = max(len(x.prompt_ids) + len(x.response_ids) for x in chunk)
+        s = -(-s // pad_to_multiple) * pad_to_multiple
         tokens = torch.full((len(chunk), s), pad_id, dtype=torch.long)
         mask = torch.zeros((len(chunk), s - 1), dtype=torch.bool)
         rlp = torch.zeros((len(chunk), s - 1), dtype=torch.float32)
@@ -66,14 +70,32 @@ def _target_logits(logits: torch.Tensor, vocab_size: int, ps: ParallelState,
     return z / temperature if temperature not in (0.0, 1.0) else z
 
 
+def _logprobs_entropy(logits: torch.Tensor, tgt: torch.Tensor, ps: ParallelState, *,
+                      vocab_size: int, temperature: float, fused: bool, entropy: bool = True):
+    """(logp, entropy or None), each [b, s-1], of the sampling distribution. ``fused``: the
+    Triton kernel reads the bf16 shard directly; otherwise the shard is masked, upcast and
+    scaled first. Entropy is a metric here, so it carries no gradient."""
+    if fused:
+        logp, ent = fused_logprobs_entropy(logits[:, :-1], tgt, ps.tp_group,
+                                           temperature=temperature, vocab_size=vocab_size)
+        return logp, ent.detach() if entropy else None
+    z = _target_logits(logits, vocab_size, ps, temperature)
+    logp = A.vocab_parallel_logprobs(z, tgt, ps.tp_group)
+    if not entropy:
+        return logp, None
+    with torch.no_grad():
+        return logp, A.vocab_parallel_entropy(z.detach(), ps.tp_group)
+
+
 def compute_logprobs(model, micro: list[dict], ps: ParallelState, *, vocab_size: int,
-                     temperature: float, key: str) -> None:
+                     temperature: float, key: str, fused: bool = False) -> None:
     """Forward-only pass; stores ``mb[key]: [b, s-1]`` on the last stage."""
 
     def loss_fn(logits, mb):
-        z = _target_logits(logits, vocab_size, ps, temperature)
-        tgt = mb["tokens"][:, 1:].to(z.device)
-        return z.new_zeros(()), {key: A.vocab_parallel_logprobs(z, tgt, ps.tp_group).cpu()}
+        tgt = mb["tokens"][:, 1:].to(logits.device)
+        logp, _ = _logprobs_entropy(logits, tgt, ps, vocab_size=vocab_size,
+                                    temperature=temperature, fused=fused, entropy=False)
+        return logits.new_zeros(()), {key: logp.cpu()}
 
     outs = run_microbatches(model, micro, loss_fn, ps, forward_only=True)
     for mb, o in zip(micro, outs):
@@ -82,7 +104,7 @@ def compute_logprobs(model, micro: list[dict], ps: ParallelState, *, vocab_size:
 
 def update_policy(model, optimizer, micro: list[dict], ps: ParallelState, algo, *,
                   vocab_size: int, temperature: float, max_len: int,
-                  reuse_current_as_old: bool) -> dict:
+                  reuse_current_as_old: bool, fused: bool = False) -> dict:
     """One optimizer step over ``micro`` (this DP rank's share of a mini-batch).
 
     The loss of each micro-batch is its share of the global mini-batch mean
@@ -94,12 +116,10 @@ def update_policy(model, optimizer, micro: list[dict], ps: ParallelState, algo, 
     sums: dict[str, float] = {}
 
     def loss_fn(logits, mb):
-        z = _target_logits(logits, vocab_size, ps, temperature)
-        dev = z.device
+        dev = logits.device
         tgt = mb["tokens"][:, 1:].to(dev)
-        logp = A.vocab_parallel_logprobs(z, tgt, ps.tp_group)
-        with torch.no_grad():
-            entropy = A.vocab_parallel_entropy(z.detach(), ps.tp_group)
+        logp, entropy = _logprobs_entropy(logits, tgt, ps, vocab_size=vocab_size,
+                                          temperature=temperature, fused=fused)
         old = logp.detach() if reuse_current_as_old else mb["old_logp"].to(dev)
         loss, m = A.policy_loss(
             logp, old, mb["advantages"].to(dev), mb["mask"].to(dev),

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from grpo_mega.config import ModelConfig
 from grpo_mega.parallel import ParallelState
+from grpo_mega.precision import fp8_enabled, fp8_transformer_fields
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,8 @@ def head_dim(m: ModelConfig) -> int:
     return m.head_dim or m.hidden_size // m.num_attention_heads
 
 
-def transformer_config(m: ModelConfig, ps: ParallelState, *, use_te: bool):
+def transformer_config(m: ModelConfig, ps: ParallelState, *, use_te: bool, fp8: bool = False):
+    """megatron's TransformerConfig for ``m``; ``fp8`` adds the FP8 recipe fields (TE only)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = _DTYPES[m.dtype]
@@ -79,10 +81,10 @@ def transformer_config(m: ModelConfig, ps: ParallelState, *, use_te: bool):
         calculate_per_token_loss=True,
         deallocate_pipeline_outputs=False,
     )
-    if m.fp8:
-        if not use_te:
-            raise ValueError("model.fp8=true needs Transformer Engine on a GPU (--model.fp8=false)")
-        kwargs.update(fp8="hybrid", fp8_recipe="delayed")
+    if fp8 and not use_te:
+        raise ValueError(f"model.fp8={m.fp8} needs the Transformer Engine layer spec, which needs TE "
+                         f"and a GPU (--model.fp8=none)")
+    kwargs.update(fp8_transformer_fields(m, enabled=fp8))
     return TransformerConfig(**kwargs)
 
 
@@ -98,12 +100,13 @@ def layer_spec(m: ModelConfig, use_te: bool):
 def build_model(m: ModelConfig, ps: ParallelState, *, frozen: bool = False,
                 use_te: Optional[bool] = None):
     """This rank's stage of a GPTModel. ``frozen`` makes a reference model: eval mode,
-    no gradients, never handed to an optimizer."""
+    no gradients, never handed to an optimizer, FP8 only with ``model.reference_fp8``.
+    ``use_te`` None picks the TE spec when a GPU and TE are present."""
     from megatron.core.models.gpt import GPTModel
 
     if use_te is None:
         use_te = ps.device.type == "cuda" and te_available()
-    cfg = transformer_config(m, ps, use_te=use_te)
+    cfg = transformer_config(m, ps, use_te=use_te, fp8=fp8_enabled(m, frozen=frozen))
     model = GPTModel(
         config=cfg, transformer_layer_spec=layer_spec(m, use_te),
         vocab_size=padded_vocab_size(m.vocab_size, ps.tp, m.make_vocab_size_divisible_by),

@@ -31,6 +31,8 @@ import torch.distributed as dist
 from grpo_mega import algorithms as A
 from grpo_mega import models
 from grpo_mega.experience import Sample, compute_logprobs, make_micro_batches, update_policy
+from grpo_mega.fused_loss import use_fused
+from grpo_mega.precision import seq_multiple
 from grpo_mega.runtime import Trainer, build_trainer, evaluate, save, stage
 
 
@@ -60,11 +62,12 @@ def train_on(t: Trainer, samples: list[Sample], timings: dict) -> dict:
     mbs = cfg.parallel.micro_batch_size
     per_rank_mini = (cfg.data.mini_batch_size or cfg.data.prompts_per_step * cfg.rollout.n) // ps.dp
     minis = [samples[i:i + per_rank_mini] for i in range(0, len(samples), per_rank_mini)]
-    micro = [make_micro_batches(m, mbs, t.pad_id) for m in minis]
+    micro = [make_micro_batches(m, mbs, t.pad_id, seq_multiple(cfg.model)) for m in minis]
     flat = [mb for ms in micro for mb in ms]
     off_policy = (algo.ppo_epochs > 1 or len(minis) > 1 or algo.tis_cap is not None
                   or os.environ.get("GRPO_FORCE_OLD_LOGPROBS") == "1")  # benchmark's "before"
-    kw = dict(vocab_size=cfg.model.vocab_size, temperature=t.temperature)
+    kw = dict(vocab_size=cfg.model.vocab_size, temperature=t.temperature,
+              fused=use_fused(algo.logprob_kernel, ps.device))
     with stage("logprobs", timings):
         if t.ref is not None and flat:
             offload = cfg.checkpoint.offload_reference  # keep the frozen copy off the GPU between uses

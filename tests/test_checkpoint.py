@@ -9,11 +9,12 @@ import torch
 from tests.distributed import run_ranks
 
 
-def _mcfg():
+def _mcfg(dtype="float32"):
     from grpo_mega.config import ModelConfig
     return ModelConfig(family="qwen2", vocab_size=50, hidden_size=64, num_layers=2,
                        num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
-                       qkv_bias=True, tie_embeddings=True, make_vocab_size_divisible_by=4)
+                       qkv_bias=True, tie_embeddings=True, make_vocab_size_divisible_by=4,
+                       dtype=dtype)
 
 
 def _canonical_with_moments(model, opt, ps, n_layers, vocab):
@@ -23,9 +24,8 @@ def _canonical_with_moments(model, opt, ps, n_layers, vocab):
     for local, p in model.named_parameters():
         name = L.to_global_name(local, ps.pp_rank, per)
         out[name] = L.gather(name, p.detach(), ps.tp_group, ps.tp, vocab)
-        st = opt.opt.state[p]
-        out["m:" + name] = L.gather(name, st["exp_avg"], ps.tp_group, ps.tp, vocab)
-        out["v:" + name] = L.gather(name, st["exp_avg_sq"], ps.tp_group, ps.tp, vocab)
+        for key, t in opt.state_tensors(p).items():
+            out[f"{key}:{name}"] = L.gather(name, t, ps.tp_group, ps.tp, vocab)
     return out
 
 
@@ -37,20 +37,21 @@ def _save_then_load_elsewhere(rank, world, root):
     from grpo_mega.optimizer import ParallelAdamW
     from grpo_mega.parallel import init_parallel
 
-    m = _mcfg()
     results = {}
-    for (tp, pp), (tp2, pp2) in [((2, 1), (1, 2)), ((1, 2), (2, 1))]:
+    for dtype, (tp, pp), (tp2, pp2) in [("float32", (2, 1), (1, 2)), ("float32", (1, 2), (2, 1)),
+                                        ("bfloat16", (2, 1), (1, 2))]:
+        m = _mcfg(dtype)
         if mpu.model_parallel_is_initialized():
             mpu.destroy_model_parallel()
         ps = init_parallel(tp, pp, seed=3)
         torch.manual_seed(0)
         model = build_model(m, ps)
         opt = ParallelAdamW(model, OptimizerConfig(lr=1e-2), ps)
-        for p in opt.params:  # one real step so the moments are non-trivial
+        for p in opt.main:  # one real step so the moments (and bf16 masters) are non-trivial
             p.grad = torch.randn_like(p)
         opt.step()
         before = _canonical_with_moments(model, opt, ps, m.num_layers, m.vocab_size)
-        d = f"{root}/tp{tp}pp{pp}"
+        d = f"{root}/tp{tp}pp{pp}" + ("" if dtype == "float32" else f"_{dtype}")
         save_checkpoint(d, 1, model, opt, ps, {"model": {"vocab_size": m.vocab_size}, "data": [3, 4]})
         mpu.destroy_model_parallel()
         ps2 = init_parallel(tp2, pp2, seed=99)
@@ -60,14 +61,18 @@ def _save_then_load_elsewhere(rank, world, root):
         meta = load_checkpoint(latest_checkpoint(d), model2, opt2, ps2, m)
         after = _canonical_with_moments(model2, opt2, ps2, m.num_layers, m.vocab_size)
         diffs = [float((after[k] - before[k]).abs().max()) for k in after if k in before]
-        results[f"tp{tp}pp{pp}->tp{tp2}pp{pp2}"] = (max(diffs), len(diffs), meta["data"])
+        results[f"{dtype} tp{tp}pp{pp}->tp{tp2}pp{pp2}"] = (max(diffs), len(diffs), meta["data"])
+        if dtype == "bfloat16":  # the fp32 master weights travel too, not only the bf16 copy
+            results["bf16 masters saved"] = (0.0 if any(k.startswith("main_param:") for k in after)
+                                             else 1.0, 1, meta["data"])
     return results
 
 
 @pytest.mark.slow
 def test_checkpoint_resumes_bitwise_at_another_layout(tmp_path):
     """Guards against checkpoints tied to their layout (vocab padding that depends on TP,
-    fc1 halves, optimizer moments left in the old layout)."""
+    fc1 halves, optimizer moments left in the old layout), and against a bf16 run that
+    resumes from its rounded weights instead of its fp32 master weights."""
     res = run_ranks(2, _save_then_load_elsewhere, str(tmp_path), timeout=600)
     for r in res:
         for key, (diff, n, data) in r.items():
