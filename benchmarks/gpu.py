@@ -103,9 +103,8 @@ class Timer:
         return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def _free(*objs):
-    for o in objs:
-        del o
+def _release():
+    """Return freed GPU memory to the device; callers drop their references first."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -175,7 +174,8 @@ def bench_train(args, ps, timer, rows):
             except torch.cuda.OutOfMemoryError as e:  # report, keep going
                 rows.append(dict(row, note=f"OOM: {str(e).splitlines()[0][:80]}"))
             finally:
-                _free(model, opt)
+                model = opt = None
+                _release()
 
 
 def bench_ref(args, ps, timer, rows):
@@ -194,7 +194,8 @@ def bench_ref(args, ps, timer, rows):
                        args.repeats)
     rows.append(dict(section="ref", case=f"{args.models[0]} {dtype} forward", mbs=args.micro_batch,
                      seq=args.seq, seconds=sec, tokens_per_s=args.micro_batch * args.seq / sec))
-    _free(ref)
+    del ref
+    _release()
 
 
 def bench_loss(args, ps, timer, rows):
@@ -209,8 +210,9 @@ def bench_loss(args, ps, timer, rows):
     def naive():
         logq = torch.log_softmax(logits.float(), dim=-1)
         lp = logq.gather(-1, tgt[:, None]).squeeze(-1)
-        ent = -(logq.exp() * logq).sum(-1)
-        (lp.sum() + ent.detach().sum() * 0).backward()
+        with torch.no_grad():  # entropy is a metric in the update: computed, not differentiated
+            _entropy = -(logq.exp() * logq).sum(-1)
+        lp.sum().backward()
 
     def unfused():
         z = logits.float()
@@ -239,7 +241,8 @@ def bench_loss(args, ps, timer, rows):
                          + (f"{mib / base[1]:.2f}x memory of naive" if mib and base[1] else "memory n/a")))
     if not use_fused("auto", ps.device):
         rows.append(dict(section="loss", case="fused Triton", note="not run: needs CUDA and Triton"))
-    _free(logits)
+    del logits
+    _release()
 
 
 def bench_bridge(args, ps, timer, rows):
@@ -263,7 +266,8 @@ def bench_bridge(args, ps, timer, rows):
                      seconds=sec, gbps=nbytes / sec / 1e9, note=f"{nbytes / 1e9:.2f} GB"))
     rows.append(dict(section="bridge", case="sync into vLLM / rollout tokens/s",
                      note="not measured by this script (see benchmarks/bench_weight_sync.py on CPU)"))
-    _free(model)
+    del model
+    _release()
 
 
 COLUMNS = [("section", "{}"), ("case", "{}"), ("mbs", "{}"), ("seq", "{}"), ("seconds", "{:.4f}"),

@@ -39,7 +39,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from grpo_mega.algorithms import _check_logits, _tp_size_rank
+from grpo_mega.algorithms import _all_reduce, _check_logits, _tp_size_rank
 
 Tensor = torch.Tensor
 
@@ -174,11 +174,6 @@ class _FusedLogprobEntropy(torch.autograd.Function):
             _grad_kernel[(n_rows,)](z, targets, row_stats, g_lp, g_ent, grad, rows_per_b, sb, st,
                                     n_cols, vocab_start, vocab_size, inv_temp, BLOCK=block)
         return grad.view(z.shape), None, None, None, None, None, None
-
-
-def _all_reduce(t: Tensor, op, group) -> None:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=op, group=group)
 
 
 def fused_logprobs_entropy(logits_shard: Tensor, targets: Tensor, tp_group=None, *,
