@@ -30,6 +30,7 @@ demo: $(STAMP)
 	$(PY) -m grpo_mega.demo $(ARGS)
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
 
 clean-env:

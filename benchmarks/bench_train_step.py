@@ -67,11 +67,11 @@ def part1(steps: int) -> None:
 def part2(iters: int) -> None:
     import torch
     from grpo_mega.config import load_config
-    from grpo_mega.experience import Sample, make_micro_batches, update_policy
+    from grpo_mega.trainer.batch import Sample, make_micro_batches, update_policy
     from grpo_mega.models import build_model
-    from grpo_mega.optimizer import ParallelAdamW
-    from grpo_mega.parallel import init_parallel
-    from grpo_mega.runtime import _model_shape_from_hf
+    from grpo_mega.optim.adamw import ParallelAdamW
+    from grpo_mega.distributed.state import init_parallel
+    from grpo_mega.trainer.trainer import _model_shape_from_hf
 
     cfg = load_config(str(CONFIG), [f"--model.hf_checkpoint={ASSETS / 'hf'}", "--parallel.tp=1",
                                     "--algorithm.kl_coef=0"])

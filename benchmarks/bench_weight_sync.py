@@ -83,10 +83,10 @@ def _save_hf(model, cfg, ps, src: Path, out: Path) -> None:
 def bench_size(name: str, root: Path, repeats: int, bucket_mb: float) -> dict:
     import torch
 
-    from grpo_mega import convert
+    from grpo_mega.checkpoint import convert
     from grpo_mega.bridge import VLLMEngine, WeightBridge
     from grpo_mega.models import build_model
-    from grpo_mega.parallel import init_parallel
+    from grpo_mega.distributed.state import init_parallel
     from tests.scripts.bridge_fixtures import write_hf_checkpoint
 
     kw = dict(SIZES[name])

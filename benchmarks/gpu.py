@@ -118,7 +118,7 @@ def _model_cfg(name: str, dtype: str, fp8: str = "none", recipe: str = "delayed"
 
 
 def _logprob_loss(ps, vocab_size: int, fused: bool):
-    from grpo_mega.experience import _logprobs_entropy
+    from grpo_mega.trainer.batch import _logprobs_entropy
 
     def loss_fn(logits, mb):
         tgt = mb["tokens"][:, 1:].to(logits.device)
@@ -130,11 +130,11 @@ def _logprob_loss(ps, vocab_size: int, fused: bool):
 
 def bench_train(args, ps, timer, rows):
     from grpo_mega.config import OptimizerConfig
-    from grpo_mega.fused_loss import use_fused
+    from grpo_mega.algorithms.vocab_parallel_triton import use_fused
     from grpo_mega.models import build_model
-    from grpo_mega.optimizer import ParallelAdamW
-    from grpo_mega.pipeline import run_microbatches
-    from grpo_mega.precision import check_fp8_here
+    from grpo_mega.optim.adamw import ParallelAdamW
+    from grpo_mega.distributed.schedule import run_microbatches
+    from grpo_mega.models.precision import check_fp8_here
 
     dtype = "bfloat16" if timer.cuda else "float32"
     fused = use_fused("auto", ps.device)
@@ -179,8 +179,8 @@ def bench_train(args, ps, timer, rows):
 
 
 def bench_ref(args, ps, timer, rows):
-    from grpo_mega.experience import compute_logprobs
-    from grpo_mega.fused_loss import use_fused
+    from grpo_mega.trainer.batch import compute_logprobs
+    from grpo_mega.algorithms.vocab_parallel_triton import use_fused
     from grpo_mega.models import build_model
 
     dtype = "bfloat16" if timer.cuda else "float32"
@@ -200,7 +200,7 @@ def bench_ref(args, ps, timer, rows):
 
 def bench_loss(args, ps, timer, rows):
     from grpo_mega import algorithms as A
-    from grpo_mega.fused_loss import fused_logprobs_entropy, use_fused
+    from grpo_mega.algorithms.vocab_parallel_triton import fused_logprobs_entropy, use_fused
 
     n, v = args.loss_tokens, args.loss_vocab
     dt = torch.bfloat16 if timer.cuda else torch.float32
@@ -326,7 +326,7 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown --models/--sections entries {unknown}")
 
-    from grpo_mega.parallel import destroy_parallel, init_parallel
+    from grpo_mega.distributed.state import destroy_parallel, init_parallel
     ps = init_parallel(1, 1)
     timer = Timer(ps.device)
     rows = []

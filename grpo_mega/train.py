@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 from grpo_mega import algorithms as A
 from grpo_mega import models
-from grpo_mega.experience import Sample, compute_logprobs, make_micro_batches, update_policy
-from grpo_mega.fused_loss import use_fused
-from grpo_mega.precision import seq_multiple
-from grpo_mega.runtime import Trainer, build_trainer, evaluate, save, stage
+from grpo_mega.trainer.batch import Sample, compute_logprobs, make_micro_batches, update_policy
+from grpo_mega.algorithms.vocab_parallel_triton import use_fused
+from grpo_mega.models.precision import seq_multiple
+from grpo_mega.trainer.trainer import Trainer, build_trainer, evaluate, save, stage
 
 
 def rollout_and_score(t: Trainer, step: int, timings: dict) -> tuple[list[Sample], dict]:

@@ -111,7 +111,7 @@ if [[ -n $CONFIG ]]; then
     CONFIG_ARGS=(--config "$CONFIG")
 fi
 
-CHECK=("$PYTHON" -m grpo_mega.check_config "${CONFIG_ARGS[@]}")
+CHECK=("$PYTHON" -m grpo_mega.preflight.budget "${CONFIG_ARGS[@]}")
 if [[ $MODE == check-config ]]; then
     # Without an explicit NNODES/NPROC_PER_NODE the layout is taken from the config.
     [[ -n $USER_SET_WORLD ]] && CHECK+=(--world-size "$WORLD_SIZE" --gpus-per-node "$NPROC_PER_NODE")

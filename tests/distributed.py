@@ -17,7 +17,7 @@ from datetime import timedelta
 
 import torch.multiprocessing as mp
 
-from grpo_mega.parallel import free_port
+from grpo_mega.distributed.state import free_port
 
 
 def _worker(rank, world_size, port, fn, args, queue):

@@ -6,9 +6,9 @@
     torchrun --nproc-per-node 4 tools/convert_checkpoint.py hf-to-mcore ...   # ranks share the work
 
 The megatron checkpoint holds unsharded canonical tensors; the trainer loads it at
-any TP/PP layout (``grpo_mega.convert.load_mcore_weights``). Tensors stream one at a
+any TP/PP layout (``grpo_mega.checkpoint.convert.load_mcore_weights``). Tensors stream one at a
 time; output appears only when complete (temporary directory, then rename). The
-logic lives in ``grpo_mega.convert`` and ``grpo_mega.mapping``; this is the CLI.
+logic lives in ``grpo_mega.checkpoint.convert`` and ``grpo_mega.models.hf``; this is the CLI.
 Exit status: 0 done, 2 bad input (the message names the tensor / file).
 """
 from __future__ import annotations
@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from grpo_mega import convert
-    from grpo_mega.mapping import MappingError
+    from grpo_mega.checkpoint import convert
+    from grpo_mega.models.hf import MappingError
 
     try:
         if args.cmd == "hf-to-mcore":

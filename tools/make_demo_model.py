@@ -7,7 +7,7 @@ result can be reproduced or changed.
 """
 import argparse
 
-from grpo_mega.demo_assets import ensure_demo_assets
+from grpo_mega.demo.assets import ensure_demo_assets
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -4,7 +4,7 @@
     python tools/verify_checkpoint.py --hf-dir HF_DIR --mcore-dir MCORE_DIR [--tol 1e-4]
 
 Loads the HF side in transformers and the megatron side into a TP=1 GPTModel
-(``grpo_mega.convert.load_mcore_weights``; an HF directory also works there, through
+(``grpo_mega.checkpoint.convert.load_mcore_weights``; an HF directory also works there, through
 ``load_hf_weights``), runs both on the same random tokens in float32 and prints the
 largest logit difference. Exit status: 0 within --tol, 1 above it, 2 bad input.
 """
@@ -30,8 +30,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from grpo_mega import convert
-    from grpo_mega.mapping import MappingError
+    from grpo_mega.checkpoint import convert
+    from grpo_mega.models.hf import MappingError
 
     try:
         diff = convert.compare_logits(args.hf_dir, args.mcore_dir, batch=args.batch,

@@ -1,6 +1,6 @@
 """Tiny random HF checkpoints for the bridge / conversion tests and the benchmark.
 
-Built here with transformers (not ``grpo_mega.tiny``) so these tests do not move
+Built here with transformers (not ``grpo_mega.testing.tiny``) so these tests do not move
 with the demo's model builder. head_dim is 32, the smallest vLLM's CPU attention
 accepts. Weights are seeded per tensor name, and norms are random too, so a
 mapping mistake in any tensor shows.

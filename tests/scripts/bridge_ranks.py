@@ -1,7 +1,7 @@
 """One launch of 4 gloo ranks that runs every multi-rank check of the bridge and the converter.
 
 A launch costs 10-20 s of imports, so ``launch_once()`` runs it a single time per
-pytest session and both tests/test_convert.py and tests/test_bridge.py read its
+pytest session and both tests/unit/checkpoint/test_convert.py and tests/unit/bridge/test_sync.py read its
 report: {check name: value}, merged over ranks (see ``merged``).
 
 Per model variant (llama tied / untied, qwen2 with QKV bias, qwen3 with QK-norm):
@@ -98,7 +98,7 @@ def _diff(got: dict, want: dict) -> list[str]:
 def _reinit(tp: int, pp: int):
     from megatron.core import parallel_state as mpu
 
-    from grpo_mega.parallel import init_parallel
+    from grpo_mega.distributed.state import init_parallel
 
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
@@ -120,7 +120,7 @@ def _transformers_logits_diff(hf_dir: Path, model, cfg) -> float:
 def _hf_only_checks(rank: int, root: Path, vname: str, report: dict) -> None:
     """A variant checked without the dist checkpoint: HF weights loaded directly
     (``load_hf_weights``), logits vs transformers at TP1, bitwise export at TP2xPP2."""
-    from grpo_mega import convert
+    from grpo_mega.checkpoint import convert
     from grpo_mega.bridge import export_hf_weights
     from grpo_mega.models import build_model
 
@@ -140,7 +140,7 @@ def _hf_only_checks(rank: int, root: Path, vname: str, report: dict) -> None:
 
 
 def _variant_checks(rank: int, root: Path, vname: str, report: dict) -> None:
-    from grpo_mega import convert
+    from grpo_mega.checkpoint import convert
     from grpo_mega.bridge import export_hf_weights
     from grpo_mega.models import build_model
 
@@ -168,9 +168,11 @@ def _variant_checks(rank: int, root: Path, vname: str, report: dict) -> None:
 
 
 def _bridge_checks(rank: int, root: Path, report: dict) -> None:
-    from grpo_mega import convert, mapping
+    from grpo_mega.checkpoint import convert
+    from grpo_mega.models import hf as mapping
+    from grpo_mega.models.hf_config import hf_config_from_model_config, model_config_from_hf
     from grpo_mega.bridge import WeightBridge, WeightSyncError
-    from grpo_mega.mapping import ShapeMismatchError
+    from grpo_mega.models.hf import ShapeMismatchError
     from grpo_mega.models import build_model
 
     vname = "qwen2_bias"
@@ -214,7 +216,7 @@ def _bridge_checks(rank: int, root: Path, report: dict) -> None:
         report["stale caught"] = str(e)
 
     # A conversion that fails half-way must leave neither output nor temporary directory.
-    import grpo_mega.convert as conv
+    import grpo_mega.checkpoint.convert as conv
 
     real, calls = conv.mapping.hf_to_canonical, []
 
@@ -237,7 +239,7 @@ def _bridge_checks(rank: int, root: Path, report: dict) -> None:
     report["failed conversion leftovers"] = sorted(p.name for p in (root / "failed").iterdir())
 
     # A checkpoint whose shapes do not fit the model's config.
-    wrong = mapping.model_config_from_hf(convert.read_hf_config(hf_dir), ffn_hidden_size=256)
+    wrong = model_config_from_hf(convert.read_hf_config(hf_dir), ffn_hidden_size=256)
     ps = _reinit(1, 1)
     try:
         convert.load_mcore_weights(build_model(wrong, ps), root / vname / "mcore", ps, wrong)
@@ -260,7 +262,7 @@ def _rank_main(rank: int, world: int, root: str) -> dict:
         report[f"seconds after {vname}"] = time.perf_counter() - start
     _bridge_checks(rank, Path(root), report)
     report["seconds"] = time.perf_counter() - start
-    from grpo_mega.convert import release_checkpoint_writer
+    from grpo_mega.checkpoint.convert import release_checkpoint_writer
 
     release_checkpoint_writer()  # run_ranks may kill a slow-exiting rank; leave no Manager behind
     return report

@@ -1,4 +1,4 @@
-"""Test entry for tests/test_launch.py: join the world, then block in a collective.
+"""Test entry for tests/integration/test_launch.py: join the world, then block in a collective.
 
 Launched through launch/torchrun.sh with ENTRY=tests/scripts/launch_collective.py.
 It takes the trainer's config flags (``--parallel.timeout_minutes`` sets the

@@ -1,4 +1,4 @@
-"""Test entry for tests/test_launch.py: stands in for a trainer that resumes by itself.
+"""Test entry for tests/integration/test_launch.py: stands in for a trainer that resumes by itself.
 
 Launched by launch/slurm/grpo.sbatch (ENTRY=tests/scripts/launch_resume.py), one rank.
 With no checkpoint in ``--checkpoint.dir`` it writes one, prints "saved", and waits

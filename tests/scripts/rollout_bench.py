@@ -33,8 +33,8 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from grpo_mega.rollout import EngineConfig, RolloutEngine, SamplingConfig
-    from grpo_mega.tiny import build_tiny_hf_checkpoint, build_tiny_tokenizer
-    from grpo_mega.tokenizer import load_tokenizer
+    from grpo_mega.testing.tiny import build_tiny_hf_checkpoint, build_tiny_tokenizer
+    from grpo_mega.data.tokenizer import load_tokenizer
 
     root = Path(tempfile.mkdtemp(prefix="rollout_bench_"))
     tok_dir = build_tiny_tokenizer(root / "tok", "qwen2")

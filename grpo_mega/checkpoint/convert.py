@@ -1,0 +1,588 @@
+"""HF <-> megatron-core checkpoint conversion, and loading weights into a built model.
+
+What:
+  hf_to_mcore(hf_dir, out_dir)     HF safetensors -> megatron-core distributed checkpoint
+                                   (torch_dist) holding canonical, *unsharded* tensors,
+                                   which ``load_mcore_weights`` loads at any TP/PP layout
+  mcore_to_hf(ckpt_dir, out_dir)   the inverse (also reads checkpoints the trainer saved
+                                   with ``model.sharded_state_dict()``)
+  load_mcore_weights(model, dir, ps)  trainer: load into this rank's built model
+  load_hf_weights(model, dir, ps)     trainer: start straight from an HF checkpoint
+  compare_logits(hf_dir, ckpt_dir)    HF (transformers) vs megatron logits, max |diff|
+
+All names and layouts come from ``grpo_mega.models.hf`` (the same table the weight
+bridge uses). The checkpoint keys are megatron's own sharded keys: layers are one
+tensor with a leading layer axis (``decoder.layers.self_attention.linear_qkv.weight``
+[L, ...]); the pre-attention / pre-MLP norms use the Transformer Engine spelling
+(``...linear_qkv.layer_norm_weight``) whatever the layer spec; linear_fc1 is [gate; up]
+globally; the vocabulary is stored unpadded (megatron marks the embedding and output
+layer ``allow_shape_mismatch``, so each TP layout pads on load).
+
+Memory: tensors stream one by one through ``safetensors.safe_open``; hf_to_mcore holds
+the converted model once (split over ranks when run under torchrun), mcore_to_hf one
+layer plus one output shard. Output goes to a temporary directory next to ``out_dir``
+that is renamed at the end, so a failed conversion leaves nothing behind.
+
+Saving needs ``psutil`` and, in a script, the work inside ``if __name__ == "__main__":``
+(megatron's writer starts a multiprocessing Manager that re-imports ``__main__``).
+
+CLIs: ``tools/convert_checkpoint.py`` and ``tools/verify_checkpoint.py``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from grpo_mega.models import hf as mapping
+
+from grpo_mega.models.hf_config import hf_config_from_model_config, model_config_from_hf
+from grpo_mega.config import ModelConfig
+from grpo_mega.models.hf import MappingError, MissingTensorError, ShapeMismatchError
+
+__all__ = [
+    "CheckpointError", "hf_to_mcore", "mcore_to_hf", "load_mcore_weights", "load_hf_weights",
+    "compare_logits", "read_model_config", "release_checkpoint_writer", "checkpoint_key", "HFReader", "META_FILE", "FORMAT",
+]
+
+FORMAT = "grpo-mega/mcore-weights/1"
+META_FILE = "grpo_mega.json"
+HF_SIDE_DIR = "hf"  # config.json, generation_config.json, tokenizer files of the source
+HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
+                 "added_tokens.json", "chat_template.jinja")
+# Tensors some HF checkpoints carry that are recomputed, not learned.
+_IGNORED_HF = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+Progress = Optional[Callable[[str], None]]
+
+
+class CheckpointError(MappingError):
+    """A checkpoint directory is missing, malformed or does not fit the config."""
+
+
+# =============================================================================== HF side
+
+class HFReader:
+    """Lazy access to an HF checkpoint's tensors (single file or sharded with an index)."""
+
+    def __init__(self, hf_dir: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.dir = Path(hf_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif (self.dir / "model.safetensors").is_file():
+            files = ["model.safetensors"]
+        else:
+            raise CheckpointError(f"{self.dir}: no model.safetensors or model.safetensors.index.json")
+        self._files = {f: safe_open(str(self.dir / f), framework="pt", device="cpu") for f in files}
+        self._where = {k: f for f, h in self._files.items() for k in h.keys()}
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def _handle(self, name: str):
+        if name not in self._where:
+            raise MissingTensorError(f"HF checkpoint {self.dir} has no tensor {name!r}")
+        return self._files[self._where[name]]
+
+
+def read_hf_config(hf_dir: str | os.PathLike) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{hf_dir}: no config.json (is this an HF checkpoint directory?)")
+    return json.loads(path.read_text())
+
+
+def check_hf_checkpoint(reader: HFReader, cfg: ModelConfig) -> None:
+    """Every tensor the config implies exists with the implied shape, and nothing else
+    (besides rotary caches and a tied lm_head copy); errors name tensor and shapes."""
+    expected = {}
+    for name in mapping.canonical_names(cfg):
+        expected.update(zip(mapping.hf_names_for(name, cfg), mapping.hf_shapes(name, cfg)))
+    for hf_name, want in expected.items():
+        got = reader.shape(hf_name)  # raises MissingTensorError naming it
+        if got != want:
+            raise ShapeMismatchError(f"{hf_name}: checkpoint shape {got} != expected {want} from "
+                                     f"config.json ({mapping._config_summary(cfg)})")
+    extra = [n for n in reader.names if n not in expected and not _IGNORED_HF.search(n)
+             and not (n == "lm_head.weight" and cfg.tie_embeddings)]
+    if extra:
+        raise CheckpointError(f"{reader.dir}: tensors not in the {cfg.family} mapping table: {extra[:10]}")
+
+
+# =============================================================================== mcore side
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+# megatron's sharded keys use the Transformer Engine names of the fused norms
+_KEY_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+def checkpoint_key(name: str) -> tuple[str, Optional[int]]:
+    """(megatron sharded key, global layer index or None) of a canonical tensor."""
+    m = _LAYER.match(name)
+    if not m:
+        return name, None
+    rest = _KEY_RENAMES.get(m.group(2), m.group(2))
+    return f"decoder.layers.{rest}", int(m.group(1))
+
+
+def _expected_keys(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Sharded key -> global shape (layers stacked on a leading axis; vocab unpadded)."""
+    out = {}
+    for name in mapping.canonical_names(cfg):
+        key, layer = checkpoint_key(name)
+        shape = mapping.canonical_shape(name, cfg)
+        out[key] = (cfg.num_layers,) + shape if layer is not None else shape
+    return out
+
+
+def _validate_checkpoint(meta: dict, cfg: ModelConfig, ckpt_dir) -> None:
+    """Compare the checkpoint's global shapes with the config before any load: the
+    vocabulary tensors load with allow_shape_mismatch, so a wrong vocabulary would
+    otherwise load silently (partly zero)."""
+    for key, want in _expected_keys(cfg).items():
+        if key not in meta:
+            raise MissingTensorError(f"checkpoint {ckpt_dir} has no tensor {key!r} "
+                                     f"(expected shape {want} for {cfg.family})")
+        got = tuple(meta[key].global_shape)
+        vocab_ok = (key in ("embedding.word_embeddings.weight", "output_layer.weight")
+                    and got[1:] == want[1:] and got[0] >= want[0]
+                    and got[0] % cfg.make_vocab_size_divisible_by == 0)  # megatron-padded rows
+        if got != want and not vocab_ok:
+            raise ShapeMismatchError(f"{key}: checkpoint shape {got} != expected {want} from the "
+                                     f"model config ({mapping._config_summary(cfg)})")
+
+
+def _ensure_world() -> None:
+    """dist_checkpointing needs torch.distributed (and, without CUDA, the CPU patches:
+    its writer calls torch.cuda.synchronize); start a 1-rank gloo world if needed."""
+    from grpo_mega.distributed import cpu_compat
+
+    cpu_compat.apply()  # no-op when CUDA is present
+    if dist.is_initialized():
+        return
+    # A file rendezvous: a free TCP port picked here can be taken by another process
+    # before gloo binds it (EADDRINUSE on a busy machine).
+    fd, path = tempfile.mkstemp(prefix="grpo_mega_world_")
+    os.close(fd)
+    os.unlink(path)
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+
+
+def _save_strategy():
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    # One writer thread per rank: the checkpoint is written once, 2 threads only add files.
+    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+
+
+def release_checkpoint_writer() -> None:
+    """Shut down the multiprocessing Manager that megatron's checkpoint writer starts on
+    its first save and keeps for later saves. A process that exits normally does this
+    itself; call it before a process may be killed instead (a test harness), since the
+    Manager's server would outlive it and hold its stdout open."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    except ImportError:  # pragma: no cover - other megatron layouts
+        return
+    manager = getattr(getattr(fa, "_results_queue", None), "_manager", None)
+    if manager is not None:
+        fa._results_queue = None
+        manager.shutdown()
+
+
+def read_model_config(path: str | os.PathLike) -> ModelConfig:
+    """ModelConfig of an mcore checkpoint written by hf_to_mcore, or of an HF directory."""
+    p = Path(path)
+    if (p / META_FILE).is_file():
+        meta = json.loads((p / META_FILE).read_text())
+        return ModelConfig(**meta["model"])
+    return model_config_from_hf(read_hf_config(p))
+
+
+# =============================================================================== atomic output
+
+def _tmp_dir_for(out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"output directory {out} already exists (pass overwrite=True / --overwrite)")
+
+
+def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
+    if out.exists():
+        if not overwrite:
+            raise CheckpointError(f"output directory {out} already exists")
+        shutil.rmtree(out)
+    os.rename(tmp, out)
+
+
+def _publish_collectively(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Every rank has finished writing into ``tmp``; rank 0 renames it to ``out``."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        dist.barrier()
+    if world == 1 or dist.get_rank() == 0:
+        _publish(tmp, out, overwrite)
+    if world > 1:
+        dist.barrier()
+
+
+def _shared_tmp_dir(out: Path) -> Path:
+    """Rank 0 makes the temporary directory; every rank learns its name."""
+    box = [str(_tmp_dir_for(out)) if dist.get_rank() == 0 else None]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return Path(box[0])
+
+
+def _say(progress: Progress, msg: str) -> None:
+    if progress is not None:
+        progress(msg)
+
+
+# =============================================================================== HF -> mcore
+
+def _owners(names: list[str], cfg: ModelConfig, world: int) -> dict[str, int]:
+    """Spread tensors over ranks by bytes (largest first onto the least loaded rank)."""
+    sizes = {n: int(torch.Size(mapping.canonical_shape(n, cfg)).numel()) for n in names}
+    load, owner = [0] * world, {}
+    for n in sorted(names, key=lambda n: -sizes[n]):
+        r = min(range(world), key=load.__getitem__)
+        owner[n] = r
+        load[r] += sizes[n]
+    return owner
+
+
+def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                overwrite: bool = False, progress: Progress = print) -> Path:
+    """Convert an HF checkpoint to a megatron-core torch_dist checkpoint in ``out_dir``.
+
+    Runs in one process or collectively under torchrun (each rank converts and writes
+    a share of the tensors). Shapes are checked against config.json first, from the
+    safetensors headers, before anything is written.
+    """
+    hf_dir, out = Path(hf_dir), Path(out_dir)
+    hf_config = read_hf_config(hf_dir)
+    cfg = model_config_from_hf(hf_config)
+    reader = HFReader(hf_dir)
+    check_hf_checkpoint(reader, cfg)
+    _check_out(out, overwrite)
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    _ensure_world()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    names = mapping.canonical_names(cfg)
+    owner = _owners(names, cfg, world)
+    tmp = _shared_tmp_dir(out)
+    try:
+        start = time.perf_counter()
+        sharded = {}
+        mine = [n for n in names if owner[n] == rank]
+        for i, name in enumerate(mine):
+            t = mapping.hf_to_canonical(name, reader.get, cfg)
+            key, layer = checkpoint_key(name)
+            if layer is None:
+                sharded[name] = ShardedTensor.from_rank_offsets(key, t, replica_id=0)
+            else:
+                sharded[name] = ShardedTensor.from_rank_offsets(
+                    key, t, (0, layer, cfg.num_layers), replica_id=0, prepend_axis_num=1)
+            _say(progress, f"[hf-to-mcore]{f' rank {rank}' if world > 1 else ''} "
+                           f"{i + 1}/{len(mine)} {name} {tuple(t.shape)} {t.dtype}")
+        _say(progress, f"[hf-to-mcore] writing torch_dist checkpoint ({len(names)} tensors)")
+        dist_checkpointing.save(sharded, str(tmp), sharded_strategy=_save_strategy())
+        if rank == 0:
+            _write_side_files(tmp, hf_dir, cfg, hf_config)
+        _publish_collectively(tmp, out, overwrite)
+        _say(progress, f"[hf-to-mcore] done: {out} ({time.perf_counter() - start:.1f} s)")
+        return out
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_side_files(tmp: Path, hf_dir: Path, cfg: ModelConfig, hf_config: dict) -> None:
+    side = tmp / HF_SIDE_DIR
+    side.mkdir()
+    for f in HF_SIDE_FILES:
+        if (hf_dir / f).is_file():
+            shutil.copyfile(hf_dir / f, side / f)
+    meta = {"format": FORMAT, "model": dataclasses.asdict(cfg), "source": str(hf_dir)}
+    (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+# =============================================================================== mcore -> HF
+
+def _require_dist_checkpoint(ckpt_dir: Path) -> None:
+    if not (ckpt_dir / "metadata.json").is_file():
+        raise CheckpointError(f"{ckpt_dir}: not a megatron-core distributed checkpoint "
+                              "(no metadata.json)")
+
+
+def _load_tensors_metadata(ckpt_dir: Path) -> dict:
+    from megatron.core import dist_checkpointing
+
+    _require_dist_checkpoint(ckpt_dir)
+    return dict(dist_checkpointing.load_tensors_metadata(str(ckpt_dir)))
+
+
+def _groups(cfg: ModelConfig) -> list[list[str]]:
+    """Canonical names loaded together: non-layer tensors, then one layer at a time."""
+    names = mapping.canonical_names(cfg)
+    head = [n for n in names if _LAYER.match(n) is None]
+    groups = [[n for n in head if n.startswith("embedding")]]
+    for i in range(cfg.num_layers):
+        groups.append([n for n in names if n.startswith(f"decoder.layers.{i}.")])
+    groups.append([n for n in head if not n.startswith("embedding")])
+    return [g for g in groups if g]
+
+
+def _load_group(group: list[str], meta: dict, ckpt_dir: Path, cfg: ModelConfig) -> dict:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    sharded = {}
+    for name in group:
+        key, layer = checkpoint_key(name)
+        md = meta[key]
+        shape = tuple(md.global_shape)
+        if layer is None:
+            sharded[name] = ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=md.dtype),
+                                                            replica_id=0)
+        else:
+            # A [1, ...] slice of the stacked tensor (not a prepended axis: torch's legacy
+            # ShardedTensor path would then demand every layer on this rank).
+            sharded[name] = ShardedTensor.from_rank_offsets(
+                key, torch.empty((1,) + shape[1:], dtype=md.dtype), (0, layer, cfg.num_layers),
+                replica_id=0)
+    # One layer of a stacked tensor is a partial read, which the access-pattern check
+    # (meant for whole-model loads) would reject.
+    loaded = dist_checkpointing.load(sharded, str(ckpt_dir), validate_access_integrity=False)
+    return {n: (t[0] if checkpoint_key(n)[1] is not None else t) for n, t in loaded.items()}
+
+
+class _ShardWriter:
+    """HF safetensors output in shards of at most ``max_bytes`` (plus an index when >1)."""
+
+    def __init__(self, out: Path, max_bytes: int):
+        self.out, self.max_bytes = out, max_bytes
+        self.pending: list = []
+        self.files: list[tuple[str, list[str]]] = []
+        self.total = 0
+
+    def add(self, pairs) -> None:
+        for name, t in pairs:
+            n = t.numel() * t.element_size()
+            if self.pending and sum(x.numel() * x.element_size() for _, x in self.pending) + n > self.max_bytes:
+                self.flush()
+            self.pending.append((name, t))
+            self.total += n
+
+    def flush(self) -> None:
+        from grpo_mega.bridge import write_safetensors
+
+        if not self.pending:
+            return
+        name = f"part-{len(self.files):05d}.safetensors"
+        # safetensors orders tensors by name; HF readers do not care, but keep files tidy
+        pairs = sorted(self.pending, key=lambda p: p[0])
+        write_safetensors(str(self.out / name), [(n, t.contiguous()) for n, t in pairs],
+                          metadata={"format": "pt"})
+        self.files.append((name, [n for n, _ in pairs]))
+        self.pending = []
+
+    def finish(self) -> list[str]:
+        self.flush()
+        if len(self.files) == 1:
+            os.rename(self.out / self.files[0][0], self.out / "model.safetensors")
+            return ["model.safetensors"]
+        n, weight_map, names = len(self.files), {}, []
+        for k, (tmp_name, tensors) in enumerate(self.files):
+            final = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+            os.rename(self.out / tmp_name, self.out / final)
+            weight_map.update({t: final for t in tensors})
+            names.append(final)
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return names
+
+
+def mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+                hf_config_dir: str | os.PathLike | None = None, overwrite: bool = False,
+                max_shard_bytes: int = 5 * 2**30, progress: Progress = print) -> Path:
+    """Convert a megatron-core torch_dist checkpoint back to an HF checkpoint.
+
+    The model config comes from the checkpoint's ``grpo_mega.json`` (written by
+    hf_to_mcore) or from ``hf_config_dir``'s config.json; config.json and tokenizer
+    files are copied from the checkpoint's ``hf/`` side directory or ``hf_config_dir``.
+    Collective under torchrun (every rank reads; rank 0 writes).
+    """
+    ckpt, out = Path(ckpt_dir), Path(out_dir)
+    if not ckpt.is_dir():
+        raise CheckpointError(f"checkpoint directory {ckpt} does not exist")
+    src = Path(hf_config_dir) if hf_config_dir else ckpt / HF_SIDE_DIR
+    if hf_config_dir is not None:
+        cfg = model_config_from_hf(read_hf_config(src))
+    elif (ckpt / META_FILE).is_file():
+        cfg = read_model_config(ckpt)
+    else:
+        raise CheckpointError(f"{ckpt} has no {META_FILE}; pass hf_config_dir (--hf-config) with "
+                              "the model's config.json")
+    _check_out(out, overwrite)
+    _require_dist_checkpoint(ckpt)
+    _ensure_world()
+    meta = _load_tensors_metadata(ckpt)
+    _validate_checkpoint(meta, cfg, ckpt)
+    rank = dist.get_rank()
+    tmp = _shared_tmp_dir(out)
+    try:
+        start = time.perf_counter()
+        writer = _ShardWriter(tmp, max_shard_bytes)
+        groups = _groups(cfg)
+        for g, group in enumerate(groups):
+            loaded = _load_group(group, meta, ckpt, cfg)
+            for name in group:
+                pairs = mapping.canonical_to_hf(name, loaded.pop(name), cfg)
+                if rank == 0:
+                    writer.add(pairs)
+            _say(progress, f"[mcore-to-hf] {g + 1}/{len(groups)} loaded {', '.join(group[:2])}"
+                           f"{' ...' if len(group) > 2 else ''}")
+        if rank == 0:
+            files = writer.finish()
+            _write_hf_side_files(tmp, src, cfg)
+            _say(progress, f"[mcore-to-hf] wrote {', '.join(files)} ({writer.total / 1e6:.1f} MB)")
+        _publish_collectively(tmp, out, overwrite)
+        _say(progress, f"[mcore-to-hf] done: {out} ({time.perf_counter() - start:.1f} s)")
+        return out
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_hf_side_files(tmp: Path, src: Path, cfg: ModelConfig) -> None:
+    copied = False
+    for f in HF_SIDE_FILES:
+        if (src / f).is_file():
+            shutil.copyfile(src / f, tmp / f)
+            copied |= f == "config.json"
+    if not copied:
+        cfg_json = hf_config_from_model_config(cfg)
+        (tmp / "config.json").write_text(json.dumps(cfg_json, indent=2, sort_keys=True) + "\n")
+
+
+# =============================================================================== trainer loading
+
+def load_mcore_weights(model, ckpt_dir: str | os.PathLike, ps, model_cfg: Optional[ModelConfig] = None
+                       ) -> None:
+    """Load a torch_dist checkpoint into this rank's built model (any TP/PP layout).
+
+    Collective over all ranks. Goes through ``model.sharded_state_dict()``, so megatron
+    reshards (TP slices, fc1 halves, layer offsets of this stage, vocabulary padding,
+    the tied output layer on the last stage). Global shapes are checked against
+    ``model_cfg`` (default: the checkpoint's own grpo_mega.json, if any) first.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from grpo_mega.bridge import _unwrap
+
+    ckpt = Path(ckpt_dir)
+    meta = _load_tensors_metadata(ckpt)
+    if model_cfg is None and (ckpt / META_FILE).is_file():
+        model_cfg = read_model_config(ckpt)
+    if model_cfg is not None:
+        _validate_checkpoint(meta, model_cfg, ckpt)
+    model = _unwrap(model)
+    from grpo_mega.models import sharded_state_dict
+    sharded = {k: v for k, v in sharded_state_dict(model, ps).items()
+               if not isinstance(v, ShardedObject)}  # _extra_state: nothing to restore for weights
+    loaded = dist_checkpointing.load(sharded, str(ckpt))
+    result = model.load_state_dict(loaded, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"loading {ckpt} left parameters unset: {missing[:10]} "
+                              f"(unexpected: {result.unexpected_keys[:10]})")
+
+
+def load_hf_weights(model, hf_dir: str | os.PathLike, ps, model_cfg: Optional[ModelConfig] = None) -> None:
+    """Load an HF checkpoint straight into this rank's built model, tensor by tensor
+    (each rank reads only what its shard needs). Not collective."""
+    from grpo_mega.models import layout as mcore_layout
+    from grpo_mega.bridge import _unwrap
+
+    cfg = model_cfg or model_config_from_hf(read_hf_config(hf_dir))
+    reader = HFReader(hf_dir)
+    check_hf_checkpoint(reader, cfg)
+    per = cfg.num_layers // ps.pp
+    with torch.no_grad():
+        for local_name, p in _unwrap(model).named_parameters():
+            name = mcore_layout.to_global_name(local_name, ps.pp_rank, per)
+            if name == "output_layer.weight" and cfg.tie_embeddings:
+                name = "embedding.word_embeddings.weight"  # the last stage's tied copy
+            full = mapping.hf_to_canonical(name, reader.get, cfg)
+            padded = p.shape[0] * ps.tp if name in mcore_layout.VOCAB_PARAMS else None
+            shard = mcore_layout.shard(name, full, ps.tp_rank, ps.tp, padded)
+            if shard.shape != p.shape:
+                raise ShapeMismatchError(f"{name}: shard shape {tuple(shard.shape)} != parameter "
+                                         f"shape {tuple(p.shape)}")
+            p.copy_(shard)
+
+
+# =============================================================================== verification
+
+def compare_logits(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *, batch: int = 2,
+                   seq_len: int = 16, seed: int = 0, progress: Progress = print) -> float:
+    """Max |logits_HF - logits_megatron| on random tokens (TP=1, PP=1, float32).
+
+    The HF side runs in transformers, the megatron side loads ``ckpt_dir`` with
+    ``load_mcore_weights`` (or an HF directory with ``load_hf_weights``).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from grpo_mega.models import build_model, forward_logits
+    from grpo_mega.distributed.state import init_parallel
+
+    cfg = dataclasses.replace(read_model_config(ckpt_dir), dtype="float32")
+    _ensure_world()
+    ps = init_parallel(1, 1)
+    model = build_model(cfg, ps, frozen=True)
+    if (Path(ckpt_dir) / "metadata.json").is_file():
+        load_mcore_weights(model, ckpt_dir, ps, cfg)
+    else:
+        load_hf_weights(model, ckpt_dir, ps, cfg)
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen)
+    with torch.no_grad():
+        ours = forward_logits(model, tokens)[..., :cfg.vocab_size].float()
+        theirs = hf(tokens).logits.float()
+    diff = float((ours - theirs).abs().max())
+    _say(progress, f"[verify] {batch}x{seq_len} random tokens, vocab {cfg.vocab_size}: "
+                   f"max |logits_hf - logits_mcore| = {diff:.3e} (logit scale {float(theirs.abs().max()):.3g})")
+    return diff

@@ -1,0 +1,71 @@
+"""The embedded demo (``make demo``): GRPO that visibly learns, on a laptop CPU.
+
+1. takes the packaged tiny Qwen2 + tokenizer + arithmetic data (or rebuilds them);
+2. converts the HF checkpoint to a megatron-core checkpoint with
+   ``tools/convert_checkpoint.py``, as a user would with a real model;
+3. runs ``torchrun --nproc-per-node 2 -m grpo_mega.train`` at TP=2 over gloo with
+   vLLM rollouts, a KL-regularised reference model and checkpoints;
+4. prints the held-out accuracy before and after (also in ``summary.json``).
+
+Extra arguments are passed to the trainer, e.g. ``--algorithm.steps=50``.
+Re-running resumes from the run directory's latest checkpoint; ``--fresh`` starts over.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from grpo_mega.demo.assets import ensure_demo_assets, say
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"
+
+
+def main(argv: list[str]) -> int:
+    fresh = "--fresh" in argv
+    argv = [a for a in argv if a != "--fresh"]
+    run_dir = Path(next((a.split("=", 1)[1] for a in argv if a.startswith("--logging.run_dir=")),
+                        "runs/demo"))
+    if fresh:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    assets = ensure_demo_assets()
+    mcore = run_dir / "init_mcore"
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", VLLM_LOGGING_LEVEL="WARNING")
+    if not mcore.exists():
+        say(f"converting the HF checkpoint to megatron-core: {mcore}")
+        subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), "hf-to-mcore",
+                        "--hf-dir", str(assets / "hf"), "--out", str(mcore)], check=True, env=env)
+    say("launching GRPO: torchrun, 2 ranks, TP=2 over gloo, vLLM rollouts, KL to a reference "
+        "model (per-step lines below; held-out accuracy every 20 steps)")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--standalone", "-m", "grpo_mega.train", "--config", str(CONFIG),
+           f"--model.hf_checkpoint={assets / 'hf'}", f"--model.init_checkpoint={mcore}",
+           f"--data.train_path={assets / 'train.jsonl'}", f"--data.eval_path={assets / 'eval.jsonl'}",
+           f"--logging.run_dir={run_dir}", *argv]
+    rc = subprocess.run(cmd, env=env).returncode
+    summary_file = run_dir / "summary.json"
+    if rc != 0 or not summary_file.exists():
+        say(f"training failed (exit code {rc}); see the messages above")
+        return rc or 1
+    s = json.loads(summary_file.read_text())
+    gain = (s["eval_accuracy_final"] - s["eval_accuracy_initial"]) * 100
+    print(f"""
+[demo] what just happened
+  - GRPO sampled 8 answers per prompt from vLLM, scored them by exact match, turned the
+    scores into group-relative advantages, and updated a TP=2 megatron model with the clipped
+    surrogate minus a KL penalty; after every step the new weights went back into vLLM.
+  - held-out greedy accuracy: {s['eval_accuracy_initial']:.1%} -> {s['eval_accuracy_final']:.1%}
+    ({gain:+.1f} points) in {s['steps']} steps, {s['wall_seconds']:.0f} s of training
+  - run directory {run_dir}: metrics.jsonl, tensorboard/, reward.png, summary.json, checkpoints/
+  - run `make demo` again to resume from the last checkpoint, or `make demo ARGS=--fresh`
+""", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

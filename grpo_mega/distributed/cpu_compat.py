@@ -1,0 +1,148 @@
+"""Make megatron-core 0.16 run on a CPU-only torch. Applied only when CUDA is absent.
+
+megatron-core assumes CUDA in a handful of places that a CPU run reaches. Each
+patch below names the place; none changes numerics. On a machine with CUDA
+``apply()`` does nothing, so GPU runs use megatron unmodified.
+
+    from grpo_mega.distributed import cpu_compat
+    cpu_compat.apply()          # idempotent; call before building models
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+log = logging.getLogger(__name__)
+_APPLIED = False
+CPU = torch.device("cpu")
+
+
+def needed() -> bool:
+    return not torch.cuda.is_available()
+
+
+class CpuRNGStatesTracker:
+    """Named RNG streams on the CPU generator (megatron's tracker forks CUDA states).
+
+    TP ranks get different model-parallel streams, as on GPU, so dropout inside
+    TP regions stays decorrelated across shards.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.states_, self.seeds_ = {}, set()
+        self._is_initialized = False
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name, seed):
+        if seed in self.seeds_ or name in self.states_:
+            raise RuntimeError(f"RNG stream {name!r} / seed {seed} already exists")
+        self._is_initialized = True
+        self.seeds_.add(seed)
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise RuntimeError(f"RNG stream {name!r} was never added")
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+def _cpu_model_parallel_seed(seed, *args, tp_rank=None, **kwargs):
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if tp_rank is None:
+        tp_rank = mpu.get_tensor_model_parallel_rank()
+    tracker = mrandom._CUDA_RNG_STATE_TRACKER
+    if not isinstance(tracker, CpuRNGStatesTracker):
+        tracker = CpuRNGStatesTracker()
+        mrandom._CUDA_RNG_STATE_TRACKER = tracker
+        mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    tracker.reset()
+    torch.manual_seed(seed)
+    # Same offsets as megatron: data-parallel stream = seed, TP stream = seed + 2718 + tp_rank.
+    tracker.add("data-parallel-rng", seed)
+    tracker.add("model-parallel-rng", seed + 2718 + tp_rank)
+    tracker.add("expert-parallel-rng", seed + 1024)
+
+
+class _CpuTorch:
+    """Stands in for ``torch`` inside a megatron module that allocates with device="cuda"."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        attr = getattr(self._real, name)
+        if name in ("zeros", "ones", "empty", "tensor", "full", "arange"):
+            def on_cpu(*a, **kw):
+                if str(kw.get("device", "")).startswith("cuda"):
+                    kw["device"] = CPU
+                return attr(*a, **kw)
+            return on_cpu
+        return attr
+
+
+def _default_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def apply() -> bool:
+    """Install the patches if CUDA is absent. Returns True when they are active."""
+    global _APPLIED
+    if _APPLIED:
+        return True
+    if not needed():
+        return False
+    # Layers pass device=torch.cuda.current_device() to allocations.
+    torch.cuda.current_device = lambda: CPU
+    torch.cuda.synchronize = lambda *a, **k: None
+    # LanguageModule.setup_embeddings_and_output_layer moves the tied weight with .cuda()
+    # before the embedding-group all-reduce (PP with tied embeddings).
+    torch.Tensor.cuda = lambda self, *a, **k: self
+
+    from megatron.core.tensor_parallel import random as mrandom
+    import megatron.core.tensor_parallel as mtp
+    mrandom.model_parallel_cuda_manual_seed = _cpu_model_parallel_seed
+    mtp.model_parallel_cuda_manual_seed = _cpu_model_parallel_seed
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+    # The schedules allocate their token counter with device="cuda".
+    from megatron.core.pipeline_parallel import schedules
+    schedules.torch = _CpuTorch(torch)
+
+    # attention_mask=None builds the default causal mask on "cuda".
+    from megatron.core.transformer import utils as tutils
+    tutils.get_default_causal_mask = _default_causal_mask
+    try:
+        from megatron.core.fusions import fused_softmax
+        fused_softmax.get_default_causal_mask = _default_causal_mask
+    except ImportError:
+        pass
+    _APPLIED = True
+    log.info("cpu_compat: megatron-core patched for a CPU-only torch")
+    return True

@@ -1,0 +1,69 @@
+"""Forward/backward of a list of micro-batches through megatron's pipeline schedule.
+
+``run_microbatches(model, micro_batches, loss_fn, ps, forward_only=...)`` hides
+the ``forward_step_func -> (output, partial(loss_func))`` contract of
+``get_forward_backward_func``: every stage iterates over the same micro-batches
+(stage 0 embeds the tokens, the last stage computes the loss on vocab-parallel
+logits), and the per-micro-batch outputs of ``loss_fn`` come back on the last
+stage in order.
+
+Micro-batches may differ in sequence length (each is padded only to its own
+longest sample), so the schedule communicates shapes between stages.
+
+    loss_fn(logits_shard: [b, s, V_pad/tp], mb: dict) -> (loss: 0-d, outputs: dict)
+
+``loss`` must already be normalised by the *global* batch (the schedule is told
+not to divide by the number of micro-batches); ``outputs`` are detached values.
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import torch
+
+from grpo_mega.distributed.state import ParallelState
+
+
+def causal_mask(seq_len: int, device) -> torch.Tensor:
+    """Megatron's boolean mask convention: True means *masked*. Shape [1, 1, s, s]."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), 1)[None, None]
+
+
+def run_microbatches(model, micro_batches: list[dict], loss_fn: Callable, ps: ParallelState,
+                     *, forward_only: bool) -> list[dict]:
+    """Each ``mb`` holds at least ``tokens: [b, s]`` (long). Returns ``loss_fn`` outputs
+    per micro-batch on the last stage, ``[]`` on other stages."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        return []
+    config = model.config
+    config.variable_seq_lengths = ps.pp > 1
+    # The schedule's p2p buffers use this dtype for activations.
+    config.pipeline_dtype = next(model.parameters()).dtype
+
+    def loss_func(mb, output_tensor):
+        loss, outputs = loss_fn(output_tensor, mb)
+        # Third element is a token count the schedule adds up; we normalise ourselves.
+        return loss, torch.ones((), dtype=torch.int), outputs
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        tokens = mb["tokens"].to(ps.device)
+        b, s = tokens.shape
+        pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+        out = model(tokens, pos, causal_mask(s, tokens.device))
+        return out, partial(loss_func, mb)
+
+    b, s = micro_batches[0]["tokens"].shape
+    fb = get_forward_backward_func()
+    if forward_only:
+        ctx = torch.no_grad()
+    else:
+        ctx = torch.enable_grad()
+    with ctx:
+        outputs = fb(forward_step_func=forward_step, data_iterator=iter(micro_batches),
+                     model=[model], num_microbatches=len(micro_batches), seq_length=s,
+                     micro_batch_size=b, forward_only=forward_only)
+    return list(outputs) if ps.is_last_stage else []

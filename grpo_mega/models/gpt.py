@@ -1,0 +1,160 @@
+"""Actor and reference megatron-core GPTModels for the Llama / Qwen2 families.
+
+Both are built from ``ModelConfig`` for this rank's pipeline stage and TP shard:
+RMSNorm, SwiGLU, RoPE (configurable base), GQA, optional QKV bias, tied or
+untied embeddings, vocabulary padded for TP. The Transformer Engine layer spec
+is used when TE imports cleanly (and a GPU is present); otherwise the local spec.
+
+Logits come out vocab-parallel (``[b, s, V_pad/tp]``); the loss never gathers
+them. Padded vocabulary columns are masked with ``mask_vocab_padding`` because
+megatron's padding rows would otherwise enter the softmax denominator and shift
+every log-prob away from what vLLM (which has no padding) samples with.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from grpo_mega.config import ModelConfig
+from grpo_mega.distributed.state import ParallelState
+from grpo_mega.distributed.schedule import causal_mask
+from grpo_mega.models.precision import fp8_enabled, fp8_transformer_fields, te_available
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Round up to a multiple of ``divisible_by * lcm(tp, 8)``.
+
+    Megatron pads to ``divisible_by * tp``, which makes the padded embedding's
+    shape depend on TP, so a distributed checkpoint saved at TP=1 would not load
+    at TP=2. Using lcm(tp, 8) keeps the shape equal for every tp in 1, 2, 4, 8
+    (and for Llama-3's vocab at tp=8 it is exactly megatron's own padding).
+    """
+    multiple = divisible_by * math.lcm(tp, 8)
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def head_dim(m: ModelConfig) -> int:
+    return m.head_dim or m.hidden_size // m.num_attention_heads
+
+
+def transformer_config(m: ModelConfig, ps: ParallelState, *, use_te: bool, fp8: bool = False):
+    """megatron's TransformerConfig for ``m``; ``fp8`` adds the FP8 recipe fields (TE only)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = _DTYPES[m.dtype]
+    cpu = ps.device.type == "cpu"
+    kwargs = dict(
+        num_layers=m.num_layers, hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads, num_query_groups=m.num_query_groups,
+        kv_channels=head_dim(m), ffn_hidden_size=m.ffn_hidden_size,
+        tensor_model_parallel_size=ps.tp, pipeline_model_parallel_size=ps.pp,
+        normalization="RMSNorm", layernorm_epsilon=m.norm_eps,
+        gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=m.qkv_bias,
+        qk_layernorm=(m.family == "qwen3"),
+        hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=(dtype == torch.bfloat16),
+        use_cpu_initialization=cpu,
+        # Fused kernels are CUDA-only; on GPU megatron picks its own defaults.
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        # Our loss is already normalised by the global token count; stop the schedule
+        # from dividing it again by num_microbatches.
+        calculate_per_token_loss=True,
+        deallocate_pipeline_outputs=False,
+    )
+    if fp8 and not use_te:
+        raise ValueError(f"model.fp8={m.fp8} needs the Transformer Engine layer spec, which needs TE "
+                         f"and a GPU (--model.fp8=none)")
+    kwargs.update(fp8_transformer_fields(m, enabled=fp8))
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(m: ModelConfig, use_te: bool):
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    qk_norm = m.family == "qwen3"
+    if use_te:
+        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    return specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+
+
+def build_model(m: ModelConfig, ps: ParallelState, *, frozen: bool = False,
+                use_te: Optional[bool] = None):
+    """This rank's stage of a GPTModel. ``frozen`` makes a reference model: eval mode,
+    no gradients, never handed to an optimizer, FP8 only with ``model.reference_fp8``.
+    ``use_te`` None picks the TE spec when a GPU and TE are present."""
+    from megatron.core.models.gpt import GPTModel
+
+    if use_te is None:
+        use_te = ps.device.type == "cuda" and te_available()
+    cfg = transformer_config(m, ps, use_te=use_te, fp8=fp8_enabled(m, frozen=frozen))
+    model = GPTModel(
+        config=cfg, transformer_layer_spec=layer_spec(m, use_te),
+        vocab_size=padded_vocab_size(m.vocab_size, ps.tp, m.make_vocab_size_divisible_by),
+        max_sequence_length=m.max_position_embeddings,
+        pre_process=ps.is_first_stage, post_process=ps.is_last_stage,
+        parallel_output=True, share_embeddings_and_output_weights=m.tie_embeddings,
+        position_embedding_type="rope", rotary_base=int(m.rope_theta),
+    )
+    model.to(ps.device)
+    model.grpo_vocab_size = m.vocab_size
+    if frozen:
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return model
+
+
+def sharded_state_dict(model, ps: ParallelState) -> dict:
+    """megatron's sharded state dict of this rank's stage, for dist checkpointing.
+
+    The tied embedding's copy on the last PP stage needs the DP group to get its
+    replica ids right, so every caller goes through here."""
+    return model.sharded_state_dict(metadata={"dp_cp_group": ps.dp_group})
+
+
+def mask_vocab_padding(logits_shard: torch.Tensor, vocab_size: int, tp_rank: int) -> torch.Tensor:
+    """Push padded vocabulary columns of this shard to a huge negative value.
+
+    logits_shard: [..., V_pad/tp]. A finite value (not -inf) keeps p*log p == 0
+    in entropy and KL instead of 0 * -inf = NaN.
+    """
+    shard = logits_shard.shape[-1]
+    start = tp_rank * shard
+    if start + shard <= vocab_size:
+        return logits_shard
+    keep = (torch.arange(start, start + shard, device=logits_shard.device) < vocab_size)
+    return logits_shard.masked_fill(~keep, -1e9 if logits_shard.dtype == torch.float32 else -1e4)
+
+
+
+
+def forward_logits(model, tokens: torch.Tensor, input_tensor: Optional[torch.Tensor] = None):
+    """One stage's forward on ``tokens: [b, s]`` (position ids 0..s-1).
+
+    Returns vocab-parallel logits ``[b, s, V_pad/tp]`` on the last stage and the hidden
+    states ``[s, b, h]`` elsewhere. Right padding is safe under a causal mask.
+    """
+    b, s = tokens.shape
+    pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    if input_tensor is not None:
+        model.set_input_tensor(input_tensor)
+    return model(tokens, pos, causal_mask(s, tokens.device))
+
+
+def offload(model, device: torch.device) -> None:
+    """Move a frozen model's parameters (GPU <-> CPU) between uses to free GPU memory."""
+    for p in model.parameters():
+        p.data = p.data.to(device, non_blocking=True)

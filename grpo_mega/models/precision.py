@@ -1,0 +1,158 @@
+"""Numeric precision: parameter dtype, FP8 through Transformer Engine, and what the GPU supports.
+
+What
+    * ``fp8_problem``: a pure check of an FP8 request against the hardware and
+      software at hand (CUDA present, compute capability, TE installed and its
+      version). It returns the reason FP8 cannot run, or None. ``validate``
+      calls it through ``check_fp8_here`` before any process group exists, so a
+      bad request fails at start-up naming what is missing and the flag.
+    * ``fp8_transformer_fields``: the megatron ``TransformerConfig`` fields for
+      an FP8 model. megatron then enters TE's ``fp8_autocast`` with the recipe
+      inside every transformer block; nothing else in the loop changes.
+    * ``seq_multiple``: TE's FP8 GEMMs need the token count of a micro-batch
+      to be a multiple of 16, so micro-batches are padded to it.
+
+Why these minimums
+    FP8 tensor cores exist from compute capability 8.9 (Ada, Hopper). The
+    recipes need (megatron-core 0.16 ``fp8_utils.get_fp8_recipe``):
+    ``delayed`` any TE 1.x+, ``tensorwise`` (current scaling) TE >= 2.2,
+    ``blockwise`` TE >= 2.3 and Hopper (sm90), ``mxfp8`` TE >= 2.1 and
+    Blackwell (sm100). Where TE offers its own support check it is asked too,
+    because it also knows the CUDA toolkit it was built with.
+
+Nothing here was run on a GPU in this repository's CI; the checks are tested
+on CPU with the hardware facts passed in.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+FP8_FORMATS = ("none", "hybrid", "e4m3")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+
+# recipe -> (minimum compute capability, minimum TE version)
+
+def te_available() -> bool:
+    """True when Transformer Engine's torch module imports. Any exception means absent:
+    the CPU meta package raises RuntimeError rather than ImportError."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+_RECIPE_NEEDS = {
+    "delayed": ((8, 9), (1, 0)),
+    "tensorwise": ((8, 9), (2, 2)),
+    "blockwise": ((9, 0), (2, 3)),
+    "mxfp8": ((10, 0), (2, 1)),
+}
+# Hopper-only: TE's blockwise kernels are written for sm90.
+_RECIPE_MAX_CAPABILITY = {"blockwise": (9, 0)}
+
+FP8_SEQ_MULTIPLE = 16
+
+
+def _version_tuple(text: Optional[str]) -> Optional[Tuple[int, int]]:
+    if not text:
+        return None
+    parts = []
+    for piece in text.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    while len(parts) < 2:
+        parts.append(0)
+    return parts[0], parts[1]
+
+
+def fp8_problem(fp8: str, recipe: str, *, cuda: bool, capability: Optional[Tuple[int, int]],
+                te_version: Optional[str], device_name: str = "this GPU") -> Optional[str]:
+    """Why FP8 ``fp8`` with ``recipe`` cannot run here, or None when it can.
+
+    Args:
+        fp8: ``model.fp8`` (``none`` always passes).
+        recipe: ``model.fp8_recipe``.
+        cuda: a CUDA device is present.
+        capability: its compute capability (major, minor), None without CUDA.
+        te_version: ``transformer_engine.__version__``, None when TE does not import.
+        device_name: for the message.
+    """
+    if fp8 == "none":
+        return None
+    if fp8 not in FP8_FORMATS:
+        return f"model.fp8={fp8!r} is not one of {FP8_FORMATS}"
+    if recipe not in _RECIPE_NEEDS:
+        return f"model.fp8_recipe={recipe!r} is not one of {FP8_RECIPES}"
+    if not cuda:
+        return "FP8 needs a CUDA GPU, and none is available"
+    need_cc, need_te = _RECIPE_NEEDS[recipe]
+    if capability is None or tuple(capability) < need_cc:
+        have = "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
+        return (f"FP8 recipe {recipe!r} needs compute capability >= {need_cc[0]}.{need_cc[1]}, "
+                f"but {device_name} has {have}")
+    top = _RECIPE_MAX_CAPABILITY.get(recipe)
+    if top is not None and tuple(capability[:1]) > top[:1]:
+        return (f"FP8 recipe {recipe!r} runs on compute capability {top[0]}.x (Hopper) only, "
+                f"but {device_name} has {capability[0]}.{capability[1]}; use fp8_recipe=mxfp8 or tensorwise")
+    have_te = _version_tuple(te_version)
+    if have_te is None:
+        return "FP8 needs Transformer Engine, which does not import here (install the gpu extra)"
+    if have_te < need_te:
+        return (f"FP8 recipe {recipe!r} needs Transformer Engine >= {need_te[0]}.{need_te[1]}, "
+                f"but {te_version} is installed")
+    return None
+
+
+def _te_version() -> Optional[str]:
+    if not te_available():
+        return None
+    import transformer_engine
+    return getattr(transformer_engine, "__version__", "0.0")
+
+
+def _te_own_check(recipe: str) -> Optional[str]:
+    """TE's own support probe, where this TE version has one (it knows its CUDA build)."""
+    try:
+        from transformer_engine.pytorch import fp8 as te_fp8
+    except Exception:  # noqa: BLE001 - TE versions moved these; absent means no opinion
+        return None
+    probe = {"mxfp8": "check_mxfp8_support", "blockwise": "check_fp8_block_scaling_support"
+             }.get(recipe, "check_fp8_support")
+    fn = getattr(te_fp8, probe, None)
+    if fn is None:
+        return None
+    ok, reason = fn()
+    return None if ok else f"Transformer Engine says FP8 recipe {recipe!r} is unsupported here: {reason}"
+
+
+def check_fp8_here(fp8: str, recipe: str) -> Optional[str]:
+    """``fp8_problem`` with this process's hardware and software facts."""
+    if fp8 == "none":
+        return None
+    import torch
+    cuda = torch.cuda.is_available()
+    cap = torch.cuda.get_device_capability() if cuda else None
+    name = torch.cuda.get_device_name() if cuda else "this machine"
+    return fp8_problem(fp8, recipe, cuda=cuda, capability=cap, te_version=_te_version(),
+                       device_name=name) or _te_own_check(recipe)
+
+
+def fp8_enabled(m, *, frozen: bool) -> bool:
+    """Does this model run FP8? The reference (frozen) one only with ``model.reference_fp8``."""
+    return m.fp8 != "none" and (not frozen or m.reference_fp8)
+
+
+def fp8_transformer_fields(m, *, enabled: bool) -> dict:
+    """megatron ``TransformerConfig`` keyword arguments for FP8 (empty when disabled)."""
+    if not enabled:
+        return {}
+    fields = dict(fp8=m.fp8, fp8_recipe=m.fp8_recipe, fp8_margin=0)
+    if m.fp8_recipe == "delayed":
+        fields.update(fp8_amax_history_len=m.fp8_amax_history_len,
+                      fp8_amax_compute_algo=m.fp8_amax_compute_algo)
+    return fields
+
+
+def seq_multiple(m) -> int:
+    """Pad micro-batch sequence lengths to this multiple (16 for FP8 GEMMs, else 1)."""
+    return FP8_SEQ_MULTIPLE if m.fp8 != "none" else 1

@@ -1,0 +1,6 @@
+"""Optimizer: AdamW over a TP x PP x DP model with the DP and embedding-group gradient
+reductions, a global-norm clip that counts each parameter once, and fp32 master weights
+for bf16 training."""
+from grpo_mega.optim.adamw import ParallelAdamW, build_optimizer, global_grad_norm
+
+__all__ = ["ParallelAdamW", "build_optimizer", "global_grad_norm"]

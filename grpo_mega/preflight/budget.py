@@ -1,0 +1,387 @@
+"""Validate a config for a world size and print its layout and per-GPU memory budget.
+
+Starts nothing: no process group, no GPU. It answers "will this
+layout launch, and will it fit?" before a multi-node job queues for hours:
+
+    python -m grpo_mega.preflight.budget --config launch/configs/llama3_70b.yaml
+    python -m grpo_mega.preflight.budget --config launch/configs/llama3_8b.yaml --world-size 8 \\
+        --parallel.tp=8 --parallel.dp=1
+    launch/torchrun.sh --check-config          # the same, with CONFIG/NNODES/NPROC_PER_NODE
+
+Options: ``--world-size N`` (default: tp x pp x dp from the config, dp=1 when it is 0),
+``--gpus-per-node N`` (8), ``--gpu-memory-gib X`` (80, an H100/A100-80GB),
+``--validate-only`` (validate, print one line, exit 0 or 2), ``--write-budget`` (rewrite
+the ``# @budget-begin`` ... ``# @budget-end`` comment block of the config file), then ``--section.key=value``
+overrides exactly as the trainer takes them.
+
+The budget is an estimate for the worst pipeline stage of one GPU, in GiB:
+
+* parameters: counted from the model shape (embedding, QKV(+bias), output projection,
+  SwiGLU fc1 [gate; up] and fc2, RMSNorms, untied output layer), vocabulary padded
+  as the model builder pads it; matrices are split over TP, norms are replicated.
+* weights in ``model.dtype``; gradients in fp32 (megatron's main grads); Adam m and v in
+  fp32 plus an fp32 master copy when the weights are bf16 (12 B/param), divided over DP
+  with ``optimizer.use_distributed_optimizer``; a frozen reference copy when
+  ``algorithm.kl_coef > 0`` (unless ``checkpoint.offload_reference``).
+* activations, without recompute, flash attention and no sequence parallelism, per token
+  and layer: ``4h`` replicated (two norm inputs, QKV and fc1 inputs) plus
+  ``((heads + 2 kv_heads) * head_dim + heads * head_dim + 3 ffn) / tp`` (q/k/v, attention
+  output, fc1 output, SwiGLU output); times micro_batch x seq x layers/pp, times the
+  micro-batches 1F1B keeps in flight on stage 0 (min(pp, micro-batches)).
+* logits on the last stage: micro_batch x seq x vocab/tp in the model dtype plus three fp32
+  buffers (upcast, log-softmax, gradient).
+* the rollout engine (vLLM) takes ``rollout.gpu_memory_utilization`` of the GPU: its bf16
+  weights at engine TP = ``parallel.tp`` (engine DP over the rest of the world), a fixed
+  2 GiB for its activations and sampler, and the rest is KV cache.
+* the peak is the larger of the rollout phase (trainer weights, grads, optimizer and
+  reference stay resident next to the engine's share) and the training phase (trainer
+  plus activations; the engine sleeps when ``rollout.sleep_between_rollouts``), plus a
+  3 GiB reserve for the CUDA context, NCCL buffers and allocator fragmentation.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Optional
+
+from grpo_mega.config import Config, ConfigError, ModelConfig, derived_dp, load_config
+
+from grpo_mega.preflight.validate import validate
+
+GiB = float(1 << 30)
+ENGINE_OVERHEAD_GIB = 2.0
+"""vLLM activations, sampler logits and CUDA graphs, outside weights and KV cache."""
+RUNTIME_RESERVE_GIB = 3.0
+"""CUDA context, NCCL buffers and allocator fragmentation per GPU."""
+_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def padded_vocab(vocab_size: int, tp: int, divisible_by: int) -> int:
+    """The model builder's vocabulary padding, ``models.padded_vocab_size`` (a multiple of
+    ``divisible_by * lcm(tp, 8)``), restated here because models imports torch; a test
+    keeps the two equal."""
+    multiple = divisible_by * math.lcm(tp, 8)
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass
+class ParamCount:
+    """Parameters of one model shape; ``*_stage`` values are per GPU of one TP rank."""
+
+    total: int
+    """Whole model, unpadded vocabulary (the number a model card quotes)."""
+    per_layer_sharded: int
+    """One layer's matrices (and QKV bias), split over TP."""
+    per_layer_replicated: int
+    """One layer's RMSNorm weights, replicated on every TP rank."""
+    embedding: int
+    """Padded vocabulary x hidden (split over TP)."""
+    first_stage: float
+    """Parameters on one GPU of the first pipeline stage."""
+    last_stage: float
+    """Parameters on one GPU of the last pipeline stage."""
+
+    @property
+    def worst_stage(self) -> float:
+        return max(self.first_stage, self.last_stage)
+
+
+def head_dim(m: ModelConfig) -> int:
+    return m.head_dim or m.hidden_size // m.num_attention_heads
+
+
+def count_params(m: ModelConfig, tp: int, pp: int) -> ParamCount:
+    h, hd, f = m.hidden_size, head_dim(m), m.ffn_hidden_size
+    qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * hd
+    sharded = h * qkv_out + (qkv_out if m.qkv_bias else 0)  # linear_qkv
+    sharded += m.num_attention_heads * hd * h                # linear_proj
+    sharded += h * 2 * f + f * h                             # fc1 [gate; up], fc2
+    replicated = 2 * h + (2 * hd if m.family == "qwen3" else 0)
+    vpad = padded_vocab(m.vocab_size, tp, m.make_vocab_size_divisible_by)
+    emb_true = m.vocab_size * h
+    total = m.num_layers * (sharded + replicated) + h + emb_true * (1 if m.tie_embeddings else 2)
+
+    layers = m.num_layers // pp
+    body = layers * (sharded / tp + replicated)
+    emb = vpad * h / tp
+    first = body + emb
+    # The last stage holds the final norm and the output layer; a tied output layer
+    # is the embedding itself at pp=1 and a copy on the last stage at pp>1.
+    out = 0.0 if (m.tie_embeddings and pp == 1) else emb
+    last = body + h + out
+    if pp == 1:
+        first = last = body + emb + h + out
+    return ParamCount(total, sharded, replicated, vpad * h, first, last)
+
+
+@dataclass
+class Row:
+    name: str
+    gib: float
+    note: str = ""
+
+
+@dataclass
+class Budget:
+    """Per-GPU memory estimate; see the module docstring for every assumption."""
+
+    gpu_gib: float
+    trainer: list[Row] = field(default_factory=list)
+    engine: list[Row] = field(default_factory=list)
+    rollout_phase_gib: float = 0.0
+    training_phase_gib: float = 0.0
+    peak_gib: float = 0.0
+    kv_tokens: int = 0
+    kv_seqs: int = 0
+    seqs_per_engine: int = 0
+    engine_tp: int = 1
+
+    @property
+    def headroom_gib(self) -> float:
+        return self.gpu_gib - self.peak_gib
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom_gib >= 0 and self.kv_tokens > 0
+
+    def row(self, name: str) -> float:
+        for r in self.trainer + self.engine:
+            if r.name == name:
+                return r.gib
+        raise KeyError(name)
+
+
+@dataclass
+class Layout:
+    world: int
+    tp: int
+    pp: int
+    dp: int
+    gpus_per_node: int
+    seq_len: int
+    samples_per_step: int
+    mini_batch: int
+    micro_batches: int
+    """Micro-batches per DP rank per optimizer step."""
+
+    @property
+    def nodes(self) -> int:
+        return -(-self.world // self.gpus_per_node)
+
+    @property
+    def bubble(self) -> float:
+        """1F1B pipeline bubble fraction: (pp - 1) / (m + pp - 1)."""
+        return (self.pp - 1) / (self.micro_batches + self.pp - 1)
+
+
+def derive_layout(cfg: Config, world: int, gpus_per_node: int = 8) -> Layout:
+    p, d, r = cfg.parallel, cfg.data, cfg.rollout
+    dp = derived_dp(cfg, world)
+    samples = d.prompts_per_step * r.n
+    mini = d.mini_batch_size or samples
+    return Layout(world=world, tp=p.tp, pp=p.pp, dp=dp, gpus_per_node=gpus_per_node,
+                  seq_len=d.max_prompt_tokens + r.max_new_tokens, samples_per_step=samples,
+                  mini_batch=mini, micro_batches=max(mini // (dp * p.micro_batch_size), 1))
+
+
+def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = 80.0) -> Budget:
+    m, p, r, o = cfg.model, cfg.parallel, cfg.rollout, cfg.optimizer
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    wb = _BYTES[m.dtype]
+    pc = count_params(m, tp, pp)
+    n = pc.worst_stage
+    b = Budget(gpu_gib=gpu_gib)
+
+    dist_opt = o.use_distributed_optimizer and dp > 1
+    opt_bytes = 8 + (4 if wb < 4 else 0)
+    b.trainer.append(Row("policy weights", n * wb / GiB, f"{n / 1e9:.2f}B params/GPU in {m.dtype}"))
+    b.trainer.append(Row("gradients", n * 4 / GiB, "fp32 main grads"))
+    b.trainer.append(Row("optimizer", n * opt_bytes / (dp if dist_opt else 1) / GiB,
+                         f"Adam m, v{' + fp32 master' if wb < 4 else ''} ({opt_bytes} B/param)"
+                         + (f", distributed over dp={dp} (planned: refused at start-up today)" if dist_opt else ", not sharded")))
+    ref_on = cfg.algorithm.kl_coef > 0
+    offload = cfg.checkpoint.offload_reference
+    b.trainer.append(Row("reference weights", n * wb / GiB if ref_on and not offload else 0.0,
+                         "kl_coef=0: no reference" if not ref_on else
+                         ("offloaded to CPU between uses" if offload else f"frozen copy in {m.dtype}")))
+
+    hd = head_dim(m)
+    per_token_layer = 4 * m.hidden_size + (
+        (m.num_attention_heads + 2 * m.num_query_groups) * hd + m.num_attention_heads * hd
+        + 3 * m.ffn_hidden_size) / tp
+    inflight = min(pp, layout.micro_batches)
+    tokens = p.micro_batch_size * layout.seq_len
+    act = per_token_layer * wb * tokens * (m.num_layers // pp) * inflight
+    b.trainer.append(Row("activations", act / GiB,
+                         f"mbs {p.micro_batch_size} x seq {layout.seq_len} x {m.num_layers // pp} "
+                         f"layers x {inflight} in flight, no recompute"))
+    vpad = padded_vocab(m.vocab_size, tp, m.make_vocab_size_divisible_by)
+    logits = tokens * vpad / tp * (wb + 12)
+    b.trainer.append(Row("logits", logits / GiB, f"last stage, vocab {vpad}/{tp}, fp32 log-softmax + grad"))
+
+    # Rollout engine: engine TP = trainer TP, engine replicas over the rest of the world.
+    etp = tp
+    b.engine_tp = etp
+    share = r.gpu_memory_utilization * gpu_gib
+    ew = pc.total * wb / etp / GiB
+    kv = share - ew - ENGINE_OVERHEAD_GIB
+    b.engine.append(Row("engine share", share, f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}"))
+    b.engine.append(Row("engine weights", ew, f"{m.dtype} at engine TP={etp}"))
+    b.engine.append(Row("engine overhead", ENGINE_OVERHEAD_GIB, "activations, sampler, CUDA graphs"))
+    b.engine.append(Row("KV cache", max(kv, 0.0), "what remains of the share"))
+    kv_per_token = 2 * m.num_layers * max(m.num_query_groups // etp, 1) * hd * wb
+    b.kv_tokens = int(max(kv, 0.0) * GiB // kv_per_token)
+    b.kv_seqs = b.kv_tokens // r.max_model_len
+    replicas = max(layout.world // etp, 1)
+    b.seqs_per_engine = -(-layout.samples_per_step // replicas)
+
+    resident = sum(x.gib for x in b.trainer[:4])
+    trainer_peak = sum(x.gib for x in b.trainer)
+    asleep = 0.0 if r.sleep_between_rollouts else share
+    b.rollout_phase_gib = resident + share + RUNTIME_RESERVE_GIB
+    b.training_phase_gib = trainer_peak + asleep + RUNTIME_RESERVE_GIB
+    b.peak_gib = max(b.rollout_phase_gib, b.training_phase_gib)
+    return b
+
+
+def report(cfg: Config, layout: Layout, budget: Budget, source: str = "") -> str:
+    m, p, r = cfg.model, cfg.parallel, cfg.rollout
+    pc = count_params(m, layout.tp, layout.pp)
+    tp_in_node = layout.gpus_per_node % layout.tp == 0
+    mode = {"auto": "auto (colocated on GPU)", "external_launcher": "external_launcher (colocated in every rank)",
+            "colocated": "colocated in every rank"}.get(r.engine_mode, r.engine_mode)
+    lines = [
+        f"config: {source or '(defaults)'}",
+        f"model: {m.family}, {pc.total / 1e9:.2f}B parameters, hidden {m.hidden_size}, "
+        f"{m.num_layers} layers, {m.num_attention_heads} heads / {m.num_query_groups} kv heads, "
+        f"ffn {m.ffn_hidden_size}, vocab {m.vocab_size} (padded {pc.embedding // m.hidden_size}), "
+        f"{m.dtype}",
+        f"layout: world {layout.world} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp} "
+        f"on {layout.nodes} node(s) x {layout.gpus_per_node} GPUs; "
+        f"TP group {'inside one node' if tp_in_node else 'SPANS NODES (slow)'}",
+        f"  per GPU: {m.num_layers // layout.pp} layers, {m.num_attention_heads // layout.tp} heads, "
+        f"{max(m.num_query_groups // layout.tp, 1)} kv heads",
+        f"batch: {cfg.data.prompts_per_step} prompts x n {r.n} = {layout.samples_per_step} samples/step; "
+        f"mini-batch {layout.mini_batch} -> {layout.samples_per_step // layout.mini_batch} optimizer "
+        f"step(s) x {cfg.algorithm.ppo_epochs} epoch(s); per DP rank {layout.micro_batches} "
+        f"micro-batch(es) of {p.micro_batch_size}; seq {layout.seq_len}; "
+        f"pipeline bubble {layout.bubble:.1%}",
+        f"rollout engine: {mode}, engine TP {budget.engine_tp} x {max(layout.world // budget.engine_tp, 1)} "
+        f"replicas, max_model_len {r.max_model_len}, {budget.seqs_per_engine} sequences/step per replica",
+        "",
+        f"memory per GPU (worst pipeline stage, GiB of {budget.gpu_gib:g}):",
+    ]
+    for row in budget.trainer + budget.engine:
+        lines.append(f"  {row.name:<18} {row.gib:8.2f}  {row.note}")
+    lines += [
+        f"  KV cache holds {budget.kv_tokens:,} tokens = {budget.kv_seqs} sequences of "
+        f"{r.max_model_len} per engine replica"
+        + ("" if budget.kv_seqs >= budget.seqs_per_engine else
+           f" (< {budget.seqs_per_engine} per step: vLLM runs them in waves)"),
+        f"  rollout phase      {budget.rollout_phase_gib:8.2f}  trainer state + engine share + "
+        f"{RUNTIME_RESERVE_GIB:g} reserve",
+        f"  training phase     {budget.training_phase_gib:8.2f}  trainer + activations + logits"
+        f"{' (engine asleep)' if r.sleep_between_rollouts else ' + engine share'} + reserve",
+        f"  peak {budget.peak_gib:.2f} GiB, headroom {budget.headroom_gib:.2f} GiB: "
+        + ("fits" if budget.fits else "DOES NOT FIT"),
+    ]
+    return "\n".join(lines)
+
+
+def budget_paragraph(cfg: Config, layout: Layout, b: Budget) -> str:
+    """The budget as one prose paragraph (written into the scale configs' comment block)."""
+    m, p, r = cfg.model, cfg.parallel, cfg.rollout
+    n = count_params(m, layout.tp, layout.pp).worst_stage
+    g = {x.name: x.gib for x in b.trainer + b.engine}
+    shard = (f"sharded over dp {layout.dp}" if cfg.optimizer.use_distributed_optimizer and layout.dp > 1
+             else "not sharded")
+    phase = "rollout" if b.rollout_phase_gib >= b.training_phase_gib else "training"
+    return (
+        f"Memory per GPU (worst pipeline stage, {b.gpu_gib:g} GiB card, estimate): {n / 1e9:.2f}B "
+        f"parameters give {m.dtype} weights {g['policy weights']:.2f} GiB, fp32 gradients "
+        f"{g['gradients']:.2f}, Adam states with fp32 master {g['optimizer']:.2f} ({shard}), "
+        f"reference copy {g['reference weights']:.2f}; training adds activations "
+        f"{g['activations']:.2f} (micro-batch {p.micro_batch_size} x {layout.seq_len} tokens x "
+        f"{m.num_layers // layout.pp} layers x {min(layout.pp, layout.micro_batches)} in flight, no "
+        f"recompute) and logits {g['logits']:.2f}. The colocated vLLM engine gets "
+        f"{g['engine share']:.2f} GiB ({r.gpu_memory_utilization:g} of the GPU): weights "
+        f"{g['engine weights']:.2f} at TP {b.engine_tp}, overhead {g['engine overhead']:.2f}, KV cache "
+        f"{g['KV cache']:.2f} = {b.kv_tokens:,} tokens = {b.kv_seqs} sequences of {r.max_model_len} per "
+        f"replica ({b.seqs_per_engine} needed per step). Peak {b.peak_gib:.2f} GiB in the {phase} "
+        f"phase (including a {RUNTIME_RESERVE_GIB:g} GiB runtime reserve), "
+        f"{b.headroom_gib:.2f} GiB headroom.")
+
+
+BEGIN, END = "# @budget-begin", "# @budget-end"
+
+
+def budget_block(cfg: Config, layout: Layout, b: Budget, source: str) -> str:
+    """Comment block for a YAML config: the paragraph, then the full report."""
+    import textwrap
+    para = textwrap.wrap(budget_paragraph(cfg, layout, b), 88)
+    body = para + [""] + report(cfg, layout, b, source).splitlines()
+    head = f"{BEGIN} (generated by `python -m grpo_mega.preflight.budget --write-budget`; tests check it)"
+    return "\n".join([head] + [("# " + line).rstrip() for line in body] + [END])
+
+
+def write_budget(path: str, block: str) -> None:
+    """Replace the text between the budget markers of ``path`` with ``block``."""
+    text = open(path).read()
+    i, j = text.find(BEGIN), text.find(END)
+    if i < 0 or j < 0:
+        raise ConfigError(f"{path} has no '{BEGIN}' ... '{END}' markers to write the budget into")
+    with open(path, "w") as f:
+        f.write(text[:i] + block + text[j + len(END):])
+
+
+def _pop_option(argv: list[str], name: str) -> Optional[str]:
+    for i, a in enumerate(argv):
+        if a == name:
+            if i + 1 >= len(argv):
+                raise ConfigError(f"{name} needs a value")
+            value = argv[i + 1]
+            del argv[i:i + 2]
+            return value
+        if a.startswith(name + "="):
+            del argv[i]
+            return a.split("=", 1)[1]
+    return None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
+    try:
+        validate_only = "--validate-only" in argv
+        write = "--write-budget" in argv
+        argv = [a for a in argv if a not in ("--validate-only", "--write-budget")]
+        path = _pop_option(argv, "--config")
+        world = _pop_option(argv, "--world-size")
+        gpn = int(_pop_option(argv, "--gpus-per-node") or 8)
+        gpu_gib = float(_pop_option(argv, "--gpu-memory-gib") or 80)
+        cfg = load_config(path, argv)
+        p = cfg.parallel
+        world = int(world) if world else p.tp * p.pp * max(p.dp, 1)
+        validate(cfg, world, check_hardware=False)
+    except (ConfigError, ValueError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    layout = derive_layout(cfg, world, gpn)
+    if validate_only:
+        print(f"ok: world {world} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp}")
+        return 0
+    budget = memory_budget(cfg, layout, gpu_gib)
+    if write:
+        if not path or argv:
+            print("config error: --write-budget needs --config FILE and no overrides", file=sys.stderr)
+            return 2
+        write_budget(path, budget_block(cfg, layout, budget, path))
+    print(report(cfg, layout, budget, path or ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Config validation before any process group exists.
+
+A bad layout otherwise shows up as a collective that hangs on some rank, and a bad
+variant name as a crash at the first update. ``validate(cfg, world_size)`` checks
+types, divisibility, batch arithmetic, variant names against the registries that
+implement them, and (unless ``check_hardware=False``) FP8/Triton support on this
+machine. Every error names the field and the flag that fixes it.
+
+    cfg = validate(load_config("my.yaml", ["--parallel.tp=2"]), world_size=2)
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from grpo_mega.config import Config, ConfigError, derived_dp
+from grpo_mega.models.precision import check_fp8_here
+
+
+# Enumerations that belong to config itself. Names that select a variant (advantage
+# baseline/normalisation, KL estimator, loss aggregation, FP8 format and recipe, reward
+# function) are checked against the registries that implement them: see registry_choices().
+CHOICES = {
+    ("model", "family"): ("llama", "qwen2", "qwen3"),
+    ("model", "dtype"): ("float32", "bfloat16"),
+    ("model", "fp8_amax_compute_algo"): ("max", "most_recent"),
+    ("rollout", "engine_mode"): ("auto", "external_launcher", "child", "inprocess"),
+    ("reward", "on_error"): ("stop", "zero"),
+    ("algorithm", "advantage"): ("outcome", "process"),
+    ("algorithm", "logprob_kernel"): ("auto", "torch", "triton"),
+}
+
+
+def registry_choices() -> dict:
+    """(section, field) -> the names its registry implements; the registry is the truth,
+    so a name the code cannot run (say ``kl_kind: full``) fails here, at load time."""
+    from grpo_mega import algorithms as A
+    from grpo_mega.models.precision import FP8_FORMATS, FP8_RECIPES
+
+    return {
+        ("model", "fp8"): tuple(FP8_FORMATS),
+        ("model", "fp8_recipe"): tuple(FP8_RECIPES),
+        ("algorithm", "norm"): tuple(A.NORMS),
+        ("algorithm", "baseline"): tuple(A.BASELINES),
+        ("algorithm", "kl_kind"): tuple(A.KL_ESTIMATORS) + tuple(A.KL_ALIASES),
+        ("algorithm", "loss_agg"): tuple(A.AGGREGATIONS),
+    }
+
+
+def _check_reward_names(cfg: Config) -> None:
+    from grpo_mega.rewards import REWARD_REGISTRY
+
+    for name in cfg.reward.functions:
+        if ":" not in name and name not in REWARD_REGISTRY:
+            raise ConfigError(f"reward.functions: {name!r} is not a registered reward "
+                              f"{tuple(sorted(REWARD_REGISTRY))} nor a module:function path "
+                              f"(--reward.functions)")
+
+
+def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: bool = True) -> Config:
+    """Raise ConfigError naming the field and its fix; call before any process group.
+
+    ``check_hardware=False`` skips what depends on this machine (FP8 support, Triton):
+    the launch scripts check a config for a cluster from a login node."""
+    m, p, r, a, d, o = cfg.model, cfg.parallel, cfg.rollout, cfg.algorithm, cfg.data, cfg.optimizer
+    for (sec, name), allowed in {**CHOICES, **registry_choices()}.items():
+        value = getattr(getattr(cfg, sec), name)
+        if value not in allowed:
+            raise ConfigError(f"{sec}.{name}={value!r} is not one of {allowed} (--{sec}.{name})")
+    positive = [("parallel", "tp"), ("parallel", "pp"), ("parallel", "micro_batch_size"),
+                ("model", "hidden_size"), ("model", "num_layers"), ("model", "num_attention_heads"),
+                ("model", "num_query_groups"), ("model", "vocab_size"), ("model", "ffn_hidden_size"),
+                ("rollout", "n"), ("rollout", "max_new_tokens"), ("data", "prompts_per_step"),
+                ("algorithm", "ppo_epochs")]
+    for sec, name in positive:
+        if getattr(getattr(cfg, sec), name) < 1:
+            raise ConfigError(f"{sec}.{name} must be >= 1, got {getattr(getattr(cfg, sec), name)} (--{sec}.{name})")
+    if m.num_attention_heads % p.tp:
+        raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+                          f"parallel.tp={p.tp}; choose a tp that divides it (--parallel.tp)")
+    if m.num_query_groups % p.tp:
+        raise ConfigError(f"model.num_query_groups={m.num_query_groups} is not divisible by "
+                          f"parallel.tp={p.tp}; choose a tp that divides it (--parallel.tp)")
+    if m.num_attention_heads % m.num_query_groups:
+        raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} must be a multiple of "
+                          f"model.num_query_groups={m.num_query_groups}")
+    if m.num_layers % p.pp:
+        raise ConfigError(f"model.num_layers={m.num_layers} is not divisible by parallel.pp={p.pp} "
+                          f"(--parallel.pp)")
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"model.hidden_size={m.hidden_size} is not divisible by "
+                          f"model.num_attention_heads={m.num_attention_heads}; set --model.head_dim")
+    if m.ffn_hidden_size % p.tp:
+        raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}")
+    _check_reward_names(cfg)
+    if a.advantage == "process":
+        # algorithms.process_advantages implements the math; the reward pipeline only
+        # produces one score per sample, so there are no step rewards to feed it yet.
+        raise ConfigError("algorithm.advantage=process needs per-step rewards from a process "
+                          "reward model, which the rule-based reward pipeline does not produce yet "
+                          "(--algorithm.advantage=outcome)")
+    if a.clip_low < 0 or a.clip_high < 0:
+        raise ConfigError("algorithm.clip_low/clip_high must be >= 0")
+    if a.dual_clip is not None and a.dual_clip <= 1:
+        raise ConfigError(f"algorithm.dual_clip={a.dual_clip} must be > 1 (--algorithm.dual_clip)")
+    if a.tis_cap is not None and a.tis_cap <= 0:
+        raise ConfigError(f"algorithm.tis_cap={a.tis_cap} must be > 0 (--algorithm.tis_cap)")
+    if a.kl_coef < 0:
+        raise ConfigError(f"algorithm.kl_coef={a.kl_coef} must be >= 0 (--algorithm.kl_coef)")
+    if o.lr <= 0:
+        raise ConfigError(f"optimizer.lr={o.lr} must be > 0 (--optimizer.lr)")
+    if r.temperature < 0:
+        raise ConfigError(f"rollout.temperature={r.temperature} must be >= 0")
+    if r.max_model_len < d.max_prompt_tokens + r.max_new_tokens:
+        raise ConfigError(f"rollout.max_model_len={r.max_model_len} < data.max_prompt_tokens + "
+                          f"rollout.max_new_tokens = {d.max_prompt_tokens + r.max_new_tokens} "
+                          f"(--rollout.max_model_len)")
+    if m.max_position_embeddings < d.max_prompt_tokens + r.max_new_tokens:
+        raise ConfigError(f"model.max_position_embeddings={m.max_position_embeddings} is shorter "
+                          f"than prompt + response budget {d.max_prompt_tokens + r.max_new_tokens}")
+
+    if world_size is not None:
+        mp = p.tp * p.pp
+        if world_size % mp:
+            raise ConfigError(f"world size {world_size} is not divisible by parallel.tp*parallel.pp="
+                              f"{mp}; launch a multiple of {mp} ranks or change --parallel.tp/--parallel.pp")
+        dp = derived_dp(cfg, world_size)
+        if p.dp and p.dp * mp != world_size:
+            raise ConfigError(f"parallel.dp={p.dp} x tp={p.tp} x pp={p.pp} = {p.dp * mp} != world size "
+                              f"{world_size}; set --parallel.dp=0 to derive it")
+    else:
+        dp = p.dp or 1
+    # Batch arithmetic: samples per step split into mini-batches (optimizer steps),
+    # each split over DP ranks and then into micro-batches.
+    samples = d.prompts_per_step * r.n
+    mini = d.mini_batch_size or samples
+    if samples % mini:
+        raise ConfigError(f"data.prompts_per_step*rollout.n = {samples} samples is not divisible by "
+                          f"data.mini_batch_size={mini} (--data.mini_batch_size)")
+    if mini % (dp * p.micro_batch_size):
+        raise ConfigError(f"mini-batch of {mini} samples cannot split into dp={dp} x "
+                          f"parallel.micro_batch_size={p.micro_batch_size}; make "
+                          f"--parallel.micro_batch_size divide {mini // dp if mini % dp == 0 else mini}"
+                          f" per DP rank")
+    if d.prompts_per_step % dp:
+        raise ConfigError(f"data.prompts_per_step={d.prompts_per_step} is not divisible by dp={dp} "
+                          f"(--data.prompts_per_step)")
+
+    if m.reference_fp8 and m.fp8 == "none":
+        raise ConfigError("model.reference_fp8=true needs an FP8 format in model.fp8 "
+                          "(--model.fp8=hybrid, or --model.reference_fp8=false)")
+    if m.fp8 != "none":
+        if m.dtype != "bfloat16":
+            raise ConfigError(f"model.fp8={m.fp8} trains FP8 GEMMs around bf16 weights; "
+                              f"model.dtype={m.dtype} must be bfloat16 (--model.dtype=bfloat16)")
+        for name, dim in (("hidden_size", m.hidden_size), ("ffn_hidden_size / tp", m.ffn_hidden_size // p.tp)):
+            if dim % 16:
+                raise ConfigError(f"model.fp8={m.fp8}: FP8 GEMMs need model.{name}={dim} to be a "
+                                  f"multiple of 16 (--model.fp8=none)")
+    if check_hardware:
+        problem = check_fp8_here(m.fp8, m.fp8_recipe)
+        if problem:
+            raise ConfigError(f"model.fp8={m.fp8} fp8_recipe={m.fp8_recipe}: {problem} "
+                              f"(--model.fp8=none)")
+    if check_hardware and a.logprob_kernel == "triton":
+        import torch
+
+        from grpo_mega.algorithms.vocab_parallel_triton import fused_available
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not fused_available(dev):
+            raise ConfigError("algorithm.logprob_kernel=triton needs Triton and a CUDA GPU (or "
+                              "TRITON_INTERPRET=1 on CPU); use --algorithm.logprob_kernel=torch or auto")
+    if check_hardware and o.use_distributed_optimizer:
+        # Checked at start-up only: check_config still budgets the sharded layout of the
+        # scale configs, which is what they will use once the loop can drive it.
+        raise ConfigError("optimizer.use_distributed_optimizer=true: the DP-sharded optimizer is not "
+                          "wired into the loop's LR schedule and checkpoints yet; use "
+                          "--optimizer.use_distributed_optimizer=false (python -m "
+                          "grpo_mega.preflight.budget shows the unsharded memory budget)")
+    return cfg
