@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from grpo_mega.checkpoint import convert
+    from grpo_mega.checkpoint import CheckpointError, convert
     from grpo_mega.models.hf import MappingError
 
     try:
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
         else:
             convert.mcore_to_hf(args.input, args.out, hf_config_dir=args.hf_config,
                                 overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 2**30))
-    except MappingError as e:  # CheckpointError, MissingTensorError, ShapeMismatchError
+    except (CheckpointError, MappingError) as e:  # MappingError: MissingTensorError, ShapeMismatchError
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0

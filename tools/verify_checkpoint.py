@@ -30,13 +30,13 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from grpo_mega.checkpoint import convert
+    from grpo_mega.checkpoint import CheckpointError, verify
     from grpo_mega.models.hf import MappingError
 
     try:
-        diff = convert.compare_logits(args.hf_dir, args.mcore_dir, batch=args.batch,
+        diff = verify.compare_logits(args.hf_dir, args.mcore_dir, batch=args.batch,
                                       seq_len=args.seq_len, seed=args.seed)
-    except MappingError as e:
+    except (CheckpointError, MappingError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     ok = diff <= args.tol

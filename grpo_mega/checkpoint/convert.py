@@ -8,7 +8,6 @@ What:
                                    with ``model.sharded_state_dict()``)
   load_mcore_weights(model, dir, ps)  trainer: load into this rank's built model
   load_hf_weights(model, dir, ps)     trainer: start straight from an HF checkpoint
-  compare_logits(hf_dir, ckpt_dir)    HF (transformers) vs megatron logits, max |diff|
 
 All names and layouts come from ``grpo_mega.models.hf`` (the same table the weight
 bridge uses). The checkpoint keys are megatron's own sharded keys: layers are one
@@ -26,7 +25,8 @@ that is renamed at the end, so a failed conversion leaves nothing behind.
 Saving needs ``psutil`` and, in a script, the work inside ``if __name__ == "__main__":``
 (megatron's writer starts a multiprocessing Manager that re-imports ``__main__``).
 
-CLIs: ``tools/convert_checkpoint.py`` and ``tools/verify_checkpoint.py``.
+HF file handling is in ``hf_files``, atomic output and the error class in ``io``, logit
+verification in ``verify``. CLIs: ``tools/convert_checkpoint.py`` and ``tools/verify_checkpoint.py``.
 """
 from __future__ import annotations
 
@@ -35,99 +35,33 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from grpo_mega.models import hf as mapping
-
-from grpo_mega.models.hf_config import hf_config_from_model_config, model_config_from_hf
+from grpo_mega.checkpoint.hf_files import (HF_SIDE_FILES, HFReader, _ShardWriter, check_hf_checkpoint,
+                                           read_hf_config)
+from grpo_mega.checkpoint.io import (CheckpointError, Progress, _check_out, _ensure_world,
+                                     _publish_collectively, _save_strategy, _say, _shared_tmp_dir,
+                                     release_checkpoint_writer)
 from grpo_mega.config import ModelConfig
-from grpo_mega.models.hf import MappingError, MissingTensorError, ShapeMismatchError
+from grpo_mega.models import hf as mapping
+from grpo_mega.models.hf import MissingTensorError, ShapeMismatchError
+from grpo_mega.models.hf_config import hf_config_from_model_config, model_config_from_hf
 
 __all__ = [
     "CheckpointError", "hf_to_mcore", "mcore_to_hf", "load_mcore_weights", "load_hf_weights",
-    "compare_logits", "read_model_config", "release_checkpoint_writer", "checkpoint_key", "HFReader", "META_FILE", "FORMAT",
+    "read_model_config", "release_checkpoint_writer", "checkpoint_key", "HFReader", "META_FILE", "FORMAT",
 ]
 
 FORMAT = "grpo-mega/mcore-weights/1"
 META_FILE = "grpo_mega.json"
 HF_SIDE_DIR = "hf"  # config.json, generation_config.json, tokenizer files of the source
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
-                 "added_tokens.json", "chat_template.jinja")
-# Tensors some HF checkpoints carry that are recomputed, not learned.
-_IGNORED_HF = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
-
-Progress = Optional[Callable[[str], None]]
 
 
-class CheckpointError(MappingError):
-    """A checkpoint directory is missing, malformed or does not fit the config."""
-
-
-# =============================================================================== HF side
-
-class HFReader:
-    """Lazy access to an HF checkpoint's tensors (single file or sharded with an index)."""
-
-    def __init__(self, hf_dir: str | os.PathLike):
-        from safetensors import safe_open
-
-        self.dir = Path(hf_dir)
-        index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        elif (self.dir / "model.safetensors").is_file():
-            files = ["model.safetensors"]
-        else:
-            raise CheckpointError(f"{self.dir}: no model.safetensors or model.safetensors.index.json")
-        self._files = {f: safe_open(str(self.dir / f), framework="pt", device="cpu") for f in files}
-        self._where = {k: f for f, h in self._files.items() for k in h.keys()}
-
-    @property
-    def names(self) -> list[str]:
-        return list(self._where)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
-
-    def get(self, name: str) -> torch.Tensor:
-        return self._handle(name).get_tensor(name)
-
-    def _handle(self, name: str):
-        if name not in self._where:
-            raise MissingTensorError(f"HF checkpoint {self.dir} has no tensor {name!r}")
-        return self._files[self._where[name]]
-
-
-def read_hf_config(hf_dir: str | os.PathLike) -> dict:
-    path = Path(hf_dir) / "config.json"
-    if not path.is_file():
-        raise CheckpointError(f"{hf_dir}: no config.json (is this an HF checkpoint directory?)")
-    return json.loads(path.read_text())
-
-
-def check_hf_checkpoint(reader: HFReader, cfg: ModelConfig) -> None:
-    """Every tensor the config implies exists with the implied shape, and nothing else
-    (besides rotary caches and a tied lm_head copy); errors name tensor and shapes."""
-    expected = {}
-    for name in mapping.canonical_names(cfg):
-        expected.update(zip(mapping.hf_names_for(name, cfg), mapping.hf_shapes(name, cfg)))
-    for hf_name, want in expected.items():
-        got = reader.shape(hf_name)  # raises MissingTensorError naming it
-        if got != want:
-            raise ShapeMismatchError(f"{hf_name}: checkpoint shape {got} != expected {want} from "
-                                     f"config.json ({mapping._config_summary(cfg)})")
-    extra = [n for n in reader.names if n not in expected and not _IGNORED_HF.search(n)
-             and not (n == "lm_head.weight" and cfg.tie_embeddings)]
-    if extra:
-        raise CheckpointError(f"{reader.dir}: tensors not in the {cfg.family} mapping table: {extra[:10]}")
 
 
 # =============================================================================== mcore side
@@ -171,45 +105,7 @@ def _validate_checkpoint(meta: dict, cfg: ModelConfig, ckpt_dir) -> None:
                     and got[0] % cfg.make_vocab_size_divisible_by == 0)  # megatron-padded rows
         if got != want and not vocab_ok:
             raise ShapeMismatchError(f"{key}: checkpoint shape {got} != expected {want} from the "
-                                     f"model config ({mapping._config_summary(cfg)})")
-
-
-def _ensure_world() -> None:
-    """dist_checkpointing needs torch.distributed (and, without CUDA, the CPU patches:
-    its writer calls torch.cuda.synchronize); start a 1-rank gloo world if needed."""
-    from grpo_mega.distributed import cpu_compat
-
-    cpu_compat.apply()  # no-op when CUDA is present
-    if dist.is_initialized():
-        return
-    # A file rendezvous: a free TCP port picked here can be taken by another process
-    # before gloo binds it (EADDRINUSE on a busy machine).
-    fd, path = tempfile.mkstemp(prefix="grpo_mega_world_")
-    os.close(fd)
-    os.unlink(path)
-    dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-
-
-def _save_strategy():
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
-    # One writer thread per rank: the checkpoint is written once, 2 threads only add files.
-    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
-
-
-def release_checkpoint_writer() -> None:
-    """Shut down the multiprocessing Manager that megatron's checkpoint writer starts on
-    its first save and keeps for later saves. A process that exits normally does this
-    itself; call it before a process may be killed instead (a test harness), since the
-    Manager's server would outlive it and hold its stdout open."""
-    try:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-    except ImportError:  # pragma: no cover - other megatron layouts
-        return
-    manager = getattr(getattr(fa, "_results_queue", None), "_manager", None)
-    if manager is not None:
-        fa._results_queue = None
-        manager.shutdown()
+                                     f"model config ({mapping.config_summary(cfg)})")
 
 
 def read_model_config(path: str | os.PathLike) -> ModelConfig:
@@ -219,50 +115,6 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
         meta = json.loads((p / META_FILE).read_text())
         return ModelConfig(**meta["model"])
     return model_config_from_hf(read_hf_config(p))
-
-
-# =============================================================================== atomic output
-
-def _tmp_dir_for(out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-
-
-def _check_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"output directory {out} already exists (pass overwrite=True / --overwrite)")
-
-
-def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
-    if out.exists():
-        if not overwrite:
-            raise CheckpointError(f"output directory {out} already exists")
-        shutil.rmtree(out)
-    os.rename(tmp, out)
-
-
-def _publish_collectively(tmp: Path, out: Path, overwrite: bool) -> None:
-    """Every rank has finished writing into ``tmp``; rank 0 renames it to ``out``."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world > 1:
-        dist.barrier()
-    if world == 1 or dist.get_rank() == 0:
-        _publish(tmp, out, overwrite)
-    if world > 1:
-        dist.barrier()
-
-
-def _shared_tmp_dir(out: Path) -> Path:
-    """Rank 0 makes the temporary directory; every rank learns its name."""
-    box = [str(_tmp_dir_for(out)) if dist.get_rank() == 0 else None]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return Path(box[0])
-
-
-def _say(progress: Progress, msg: str) -> None:
-    if progress is not None:
-        progress(msg)
 
 
 # =============================================================================== HF -> mcore
@@ -387,52 +239,6 @@ def _load_group(group: list[str], meta: dict, ckpt_dir: Path, cfg: ModelConfig) 
     return {n: (t[0] if checkpoint_key(n)[1] is not None else t) for n, t in loaded.items()}
 
 
-class _ShardWriter:
-    """HF safetensors output in shards of at most ``max_bytes`` (plus an index when >1)."""
-
-    def __init__(self, out: Path, max_bytes: int):
-        self.out, self.max_bytes = out, max_bytes
-        self.pending: list = []
-        self.files: list[tuple[str, list[str]]] = []
-        self.total = 0
-
-    def add(self, pairs) -> None:
-        for name, t in pairs:
-            n = t.numel() * t.element_size()
-            if self.pending and sum(x.numel() * x.element_size() for _, x in self.pending) + n > self.max_bytes:
-                self.flush()
-            self.pending.append((name, t))
-            self.total += n
-
-    def flush(self) -> None:
-        from grpo_mega.bridge import write_safetensors
-
-        if not self.pending:
-            return
-        name = f"part-{len(self.files):05d}.safetensors"
-        # safetensors orders tensors by name; HF readers do not care, but keep files tidy
-        pairs = sorted(self.pending, key=lambda p: p[0])
-        write_safetensors(str(self.out / name), [(n, t.contiguous()) for n, t in pairs],
-                          metadata={"format": "pt"})
-        self.files.append((name, [n for n, _ in pairs]))
-        self.pending = []
-
-    def finish(self) -> list[str]:
-        self.flush()
-        if len(self.files) == 1:
-            os.rename(self.out / self.files[0][0], self.out / "model.safetensors")
-            return ["model.safetensors"]
-        n, weight_map, names = len(self.files), {}, []
-        for k, (tmp_name, tensors) in enumerate(self.files):
-            final = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-            os.rename(self.out / tmp_name, self.out / final)
-            weight_map.update({t: final for t in tensors})
-            names.append(final)
-        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        return names
-
-
 def mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                 hf_config_dir: str | os.PathLike | None = None, overwrite: bool = False,
                 max_shard_bytes: int = 5 * 2**30, progress: Progress = print) -> Path:
@@ -554,35 +360,3 @@ def load_hf_weights(model, hf_dir: str | os.PathLike, ps, model_cfg: Optional[Mo
             p.copy_(shard)
 
 
-# =============================================================================== verification
-
-def compare_logits(hf_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, *, batch: int = 2,
-                   seq_len: int = 16, seed: int = 0, progress: Progress = print) -> float:
-    """Max |logits_HF - logits_megatron| on random tokens (TP=1, PP=1, float32).
-
-    The HF side runs in transformers, the megatron side loads ``ckpt_dir`` with
-    ``load_mcore_weights`` (or an HF directory with ``load_hf_weights``).
-    """
-    from transformers import AutoModelForCausalLM
-
-    from grpo_mega.models import build_model, forward_logits
-    from grpo_mega.distributed.state import init_parallel
-
-    cfg = dataclasses.replace(read_model_config(ckpt_dir), dtype="float32")
-    _ensure_world()
-    ps = init_parallel(1, 1)
-    model = build_model(cfg, ps, frozen=True)
-    if (Path(ckpt_dir) / "metadata.json").is_file():
-        load_mcore_weights(model, ckpt_dir, ps, cfg)
-    else:
-        load_hf_weights(model, ckpt_dir, ps, cfg)
-    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen)
-    with torch.no_grad():
-        ours = forward_logits(model, tokens)[..., :cfg.vocab_size].float()
-        theirs = hf(tokens).logits.float()
-    diff = float((ours - theirs).abs().max())
-    _say(progress, f"[verify] {batch}x{seq_len} random tokens, vocab {cfg.vocab_size}: "
-                   f"max |logits_hf - logits_mcore| = {diff:.3e} (logit scale {float(theirs.abs().max()):.3g})")
-    return diff

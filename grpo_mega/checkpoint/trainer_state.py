@@ -25,15 +25,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from grpo_mega.models import sharded_state_dict
+from grpo_mega.checkpoint.io import CheckpointError
 from grpo_mega.distributed.state import ParallelState
+from grpo_mega.models import sharded_state_dict
 
 SHAPE_FIELDS = ("family", "vocab_size", "hidden_size", "num_layers", "num_attention_heads",
                 "num_query_groups", "ffn_hidden_size", "qkv_bias", "tie_embeddings")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, or does not match the config."""
 
 
 def _flatten(sd, prefix=""):

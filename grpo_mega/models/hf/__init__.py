@@ -48,7 +48,7 @@ __all__ = [
     "Rule", "FAMILIES", "MappingError", "MissingTensorError", "ShapeMismatchError",
     "table", "canonical_names", "canonical_shape", "hf_names_for", "hf_names", "hf_shapes",
     "canonical_to_hf", "hf_to_canonical", "iter_canonical_from_hf", "module_of",
-    "is_vocab_hf_name", "head_dim_of", "HF_MODEL_TYPES", "HF_CLASSES", "ModelShape",
+    "is_vocab_hf_name", "head_dim_of", "config_summary", "HF_MODEL_TYPES", "HF_CLASSES", "ModelShape",
 ]
 
 
@@ -140,7 +140,7 @@ def _rule_for(name: str, cfg: ModelShape) -> tuple[Rule, Optional[int]]:
     rule, i, _ = hit
     if rule.when in ("qkv_bias", "qk_norm") and not _active(rule, cfg):
         raise MappingError(f"{name} exists but the model config rules it out "
-                           f"({rule.when} is off for {_config_summary(cfg)})")
+                           f"({rule.when} is off for {config_summary(cfg)})")
     if i is not None and not 0 <= i < cfg.num_layers:
         raise MappingError(f"{name}: layer {i} is outside the model's {cfg.num_layers} layers")
     return rule, i
@@ -265,7 +265,7 @@ def canonical_to_hf(name: str, tensor: torch.Tensor, model_cfg: ModelShape
         got = want  # extra rows are megatron's vocabulary padding
     if got != want:
         raise ShapeMismatchError(f"{name}: tensor shape {tuple(tensor.shape)} != shape {want} "
-                                 f"implied by the model config ({_config_summary(model_cfg)})")
+                                 f"implied by the model config ({config_summary(model_cfg)})")
     return list(zip([_fill(p, i) for p in rule.hf], _to_hf(rule, tensor, model_cfg)))
 
 
@@ -289,7 +289,7 @@ def hf_to_canonical(name: str, tensors: TensorSource, model_cfg: ModelShape) -> 
         t = _fetch(tensors, pos, hf_name, name)
         if tuple(t.shape) != want:
             raise ShapeMismatchError(f"{hf_name}: checkpoint shape {tuple(t.shape)} != expected {want} "
-                                     f"from the model config ({_config_summary(model_cfg)})")
+                                     f"from the model config ({config_summary(model_cfg)})")
         inputs.append(t)
     return _to_canonical(rule, inputs, model_cfg)
 
@@ -312,7 +312,7 @@ def iter_canonical_from_hf(get: Callable[[str], torch.Tensor], model_cfg: ModelS
         yield name, hf_to_canonical(name, get, model_cfg)
 
 
-def _config_summary(cfg: ModelShape) -> str:
+def config_summary(cfg: ModelShape) -> str:
     return (f"family={cfg.family} vocab_size={cfg.vocab_size} hidden_size={cfg.hidden_size} "
             f"heads={cfg.num_attention_heads} groups={cfg.num_query_groups} head_dim={head_dim_of(cfg)} "
             f"ffn={cfg.ffn_hidden_size} layers={cfg.num_layers}")
