@@ -249,8 +249,8 @@ def report(cfg: Config, layout: Layout, budget: Budget, source: str = "") -> str
     m, p, r = cfg.model, cfg.parallel, cfg.rollout
     pc = count_params(m, layout.tp, layout.pp)
     tp_in_node = layout.gpus_per_node % layout.tp == 0
-    mode = {"auto": "auto (colocated on GPU)", "external_launcher": "external_launcher (colocated in every rank)",
-            "colocated": "colocated in every rank"}.get(r.engine_mode, r.engine_mode)
+    mode = {"auto": "auto (colocated on GPU)", "external_launcher": "external_launcher (colocated in every rank)"
+            }.get(r.engine_mode, r.engine_mode)
     lines = [
         f"config: {source or '(defaults)'}",
         f"model: {m.family}, {pc.total / 1e9:.2f}B parameters, hidden {m.hidden_size}, "
