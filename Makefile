@@ -11,7 +11,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.grpo-mega-installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: env demo test clean-env
+.PHONY: env demo test test-fast clean-env
 
 env: $(STAMP)
 
@@ -32,6 +32,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests
+
+# Development loop: the contracts and every test not marked slow.
+test-fast: $(STAMP)
+	$(VENV)/bin/lint-imports
+	$(PY) -m pytest -q tests -m "not slow"
 
 clean-env:
 	rm -rf $(VENV)

@@ -19,10 +19,6 @@ Why the rules:
 * Bad input fails loudly before any engine starts: a malformed JSONL line is
   reported with its file and line number, a missing field by name, and an
   empty (or entirely filtered) dataset with the counts.
-
-How to run (tests)::
-
-    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/data/test_prompts.py
 """
 from __future__ import annotations
 

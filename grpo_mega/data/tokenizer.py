@@ -16,10 +16,6 @@ of strings, and :func:`write_hf_tokenizer_dir` turns the ``.model`` into an HF
 tokenizer directory (a Llama-style sentencepiece tokenizer saved with
 ``save_pretrained``, which writes ``tokenizer.json``) so that transformers and
 vLLM load it offline with the same ids as the raw sentencepiece model.
-
-How to run (tests)::
-
-    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/data/test_tokenizer.py
 """
 from __future__ import annotations
 

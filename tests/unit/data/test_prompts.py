@@ -1,7 +1,5 @@
 """Prompt datasets: JSONL/Parquet loading, field names, chat templates, the
 length filter, deterministic resumable order, replica sharding, bad input.
-
-    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/data/test_prompts.py
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Tokenizers: locally trained sentencepiece / BPE models, the HF directories
 written from them, and the one interface over both backends.
-
-    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/data/test_tokenizer.py
 """
 from __future__ import annotations
 

@@ -2,8 +2,6 @@
 
 The multi-rank and logits checks of the same tables (every family against
 transformers, through TP/PP layouts) run in tests/scripts/bridge_ranks.py.
-
-    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/models/test_hf_mapping.py
 """
 from __future__ import annotations
 
