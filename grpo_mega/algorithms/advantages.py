@@ -5,8 +5,9 @@
   normalisations are registered by name in ``BASELINES`` / ``NORMS``.
 * ``process_advantages``: DeepSeekMath process supervision (per-step rewards).
 
-``ADVANTAGE_ESTIMATORS`` names the two estimators (``algorithm.advantage`` in
-config is validated against it).
+``ADVANTAGE_ESTIMATORS`` names the two estimators; ``algorithm.advantage`` in config
+is validated against it (``process`` is then refused by validation, with the reason:
+the rule-based reward pipeline produces no per-step rewards yet).
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ Each estimator takes x = logp - ref_logp ([B, T], on tokens sampled from
 pi_theta) and returns a per-token estimate of the same shape. They are
 registered by name (with aliases) in ``KL_ESTIMATORS``; ``algorithm.kl_kind`` in
 config is validated against ``KL_ESTIMATORS.names()``. The exact full-vocabulary
-KL is ``vocab_parallel_kl`` (it needs logits, not log-probs, so it is no estimator
-here).
+KL (verl's ``full``) is ``vocab_parallel_kl``: it needs both policies' logits, not
+the log-probs the loss receives, so it is not a ``kl_kind``.
 """
 from __future__ import annotations
 

@@ -53,17 +53,20 @@ class Aggregation(NamedTuple):
     """(values [B, T], bool mask [B, T], max_len) -> 0-d sum over this micro-batch."""
     count: str
     """"tokens" or "seqs": which global count (``global_batch_counts``) divides it."""
+    needs_max_len: bool = False
+    """Whether the numerator divides by ``max_len`` (which must then be given)."""
 
 
 AGGREGATIONS: Registry[Aggregation] = Registry("mode")
 
 
-def _aggregation(name: str, count: str):
+def _aggregation(name: str, count: str, *, needs_max_len: bool = False):
     """Register the decorated numerator as aggregation ``name`` divided by ``count``."""
-    assert count in ("tokens", "seqs"), count
+    if count not in ("tokens", "seqs"):
+        raise ValueError(f"aggregation {name!r}: count must be 'tokens' or 'seqs', got {count!r}")
 
     def deco(fn):
-        AGGREGATIONS.register(name)(Aggregation(fn, count))
+        AGGREGATIONS.register(name)(Aggregation(fn, count, needs_max_len))
         return fn
 
     return deco
@@ -86,7 +89,7 @@ def _agg_seq_mean_token_sum(v: Tensor, mask: Tensor, max_len) -> Tensor:
     return _masked(v, mask).sum()
 
 
-@_aggregation("seq-mean-token-sum-norm", "seqs")
+@_aggregation("seq-mean-token-sum-norm", "seqs", needs_max_len=True)
 def _agg_seq_mean_token_sum_norm(v: Tensor, mask: Tensor, max_len) -> Tensor:
     # Dr. GRPO: a constant per-token weight 1/max_len removes the length bias
     # that 1/|o_i| introduces while keeping the loss scale independent of T.
@@ -139,8 +142,8 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, *, max_len: Optional[int]
     if not isinstance(values, Tensor) or values.dim() != 2:
         raise ValueError("values must be a 2-D tensor [B, T]")
     _same_shape(values, "values", mask, "mask")
-    numerator_fn, count_kind = AGGREGATIONS.get(mode, "mode")
-    if mode == "seq-mean-token-sum-norm":
+    numerator_fn, count_kind, needs_max_len = AGGREGATIONS.get(mode, "mode")
+    if needs_max_len:
         if max_len is None or isinstance(max_len, bool) or not max_len > 0:
             raise ValueError(f"max_len must be a positive number for mode={mode!r}, got {max_len!r}")
     tokens = _check_count(global_tokens, "global_tokens")

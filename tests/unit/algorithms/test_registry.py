@@ -67,9 +67,9 @@ def test_builtin_registries_hold_the_documented_variants():
     assert sorted(A.BASELINES) == ["loo", "mean"] and sorted(A.NORMS) == ["none", "std"]
     assert sorted(A.AGGREGATIONS) == ["seq-mean-token-mean", "seq-mean-token-sum",
                                       "seq-mean-token-sum-norm", "token-mean"]
-    assert {n: a.count for n, a in A.AGGREGATIONS.items()} == {
-        "token-mean": "tokens", "seq-mean-token-mean": "seqs", "seq-mean-token-sum": "seqs",
-        "seq-mean-token-sum-norm": "seqs"}
+    assert {n: (a.count, a.needs_max_len) for n, a in A.AGGREGATIONS.items()} == {
+        "token-mean": ("tokens", False), "seq-mean-token-mean": ("seqs", False),
+        "seq-mean-token-sum": ("seqs", False), "seq-mean-token-sum-norm": ("seqs", True)}
     assert A.ADVANTAGE_ESTIMATORS.get("outcome") is A.group_advantages
     assert A.ADVANTAGE_ESTIMATORS.get("process") is A.process_advantages
 
