@@ -39,7 +39,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from grpo_mega.algorithms import _all_reduce, _check_logits, _tp_size_rank
+from grpo_mega.algorithms._checks import _all_reduce, _check_logits, _tp_size_rank
 
 Tensor = torch.Tensor
 

@@ -17,32 +17,34 @@ from grpo_mega.models.precision import check_fp8_here
 
 
 # Enumerations that belong to config itself. Names that select a variant (advantage
-# baseline/normalisation, KL estimator, loss aggregation, FP8 format and recipe, reward
-# function) are checked against the registries that implement them: see registry_choices().
+# estimator, baseline and normalisation, KL estimator, loss aggregation, FP8 format and
+# recipe, reward function) are checked against the registries that implement them: see
+# registry_choices() and _check_reward_names().
 CHOICES = {
     ("model", "family"): ("llama", "qwen2", "qwen3"),
     ("model", "dtype"): ("float32", "bfloat16"),
     ("model", "fp8_amax_compute_algo"): ("max", "most_recent"),
     ("rollout", "engine_mode"): ("auto", "external_launcher", "child", "inprocess"),
     ("reward", "on_error"): ("stop", "zero"),
-    ("algorithm", "advantage"): ("outcome", "process"),
     ("algorithm", "logprob_kernel"): ("auto", "torch", "triton"),
 }
 
 
 def registry_choices() -> dict:
     """(section, field) -> the names its registry implements; the registry is the truth,
-    so a name the code cannot run (say ``kl_kind: full``) fails here, at load time."""
+    so a name the code cannot run (say ``kl_kind: full``) fails here, at load time, and a
+    newly registered variant is accepted with no edit here."""
     from grpo_mega import algorithms as A
     from grpo_mega.models.precision import FP8_FORMATS, FP8_RECIPES
 
     return {
         ("model", "fp8"): tuple(FP8_FORMATS),
         ("model", "fp8_recipe"): tuple(FP8_RECIPES),
-        ("algorithm", "norm"): tuple(A.NORMS),
-        ("algorithm", "baseline"): tuple(A.BASELINES),
-        ("algorithm", "kl_kind"): tuple(A.KL_ESTIMATORS) + tuple(A.KL_ALIASES),
-        ("algorithm", "loss_agg"): tuple(A.AGGREGATIONS),
+        ("algorithm", "advantage"): A.ADVANTAGE_ESTIMATORS.names(),
+        ("algorithm", "norm"): A.NORMS.names(),
+        ("algorithm", "baseline"): A.BASELINES.names(),
+        ("algorithm", "kl_kind"): A.KL_ESTIMATORS.names(),
+        ("algorithm", "loss_agg"): A.AGGREGATIONS.names(),
     }
 
 

@@ -74,3 +74,70 @@ def test_defaults_validate_and_help_lists_fields(capsys):
         cli_config(["--help"])
     out = capsys.readouterr().out
     assert "--parallel.tp" in out and "Tensor-parallel size" in out
+
+
+@pytest.mark.parametrize("override, field, value", [
+    ("--algorithm.kl_kind=full", "algorithm.kl_kind", "full"),
+    ("--algorithm.loss_agg=seq-sum", "algorithm.loss_agg", "seq-sum"),
+    ("--algorithm.norm=zscore", "algorithm.norm", "zscore"),
+    ("--algorithm.baseline=median", "algorithm.baseline", "median"),
+    ("--algorithm.advantage=gae", "algorithm.advantage", "gae"),
+])
+def test_unimplemented_variant_names_fail_at_load_listing_the_registry(override, field, value):
+    """Guards against config restating the registries by hand: kl_kind=full once passed
+    validation and the run died at its first update, since the loss has no 'full'."""
+    from grpo_mega import algorithms as A
+
+    known = {"algorithm.kl_kind": A.KL_ESTIMATORS, "algorithm.loss_agg": A.AGGREGATIONS,
+             "algorithm.norm": A.NORMS, "algorithm.baseline": A.BASELINES,
+             "algorithm.advantage": A.ADVANTAGE_ESTIMATORS}[field]
+    cfg = load_config(None, [override])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1, check_hardware=False)
+    msg = str(err.value)
+    assert f"{field}={value!r}" in msg and f"(--{field})" in msg, msg
+    assert all(repr(name) in msg for name in known.names()), msg
+
+
+def test_kl_aliases_are_valid_config_names():
+    """Guards against validation listing only canonical names, refusing the aliases
+    (mse, low_var_kl) that the loss accepts."""
+    for kind in ("mse", "low_var_kl", "k1", "abs"):
+        validate(load_config(None, [f"--algorithm.kl_kind={kind}"]), 1, check_hardware=False)
+
+
+def test_process_advantage_is_registered_but_refused_with_a_reason():
+    """Guards against process advantages passing validation although the reward
+    pipeline produces no step rewards (the run would fail at its first update)."""
+    cfg = load_config(None, ["--algorithm.advantage=process"])
+    with pytest.raises(ConfigError, match="per-step rewards.*--algorithm.advantage=outcome"):
+        validate(cfg, 1, check_hardware=False)
+
+
+def test_unknown_reward_function_fails_at_load_listing_the_registry():
+    """Guards against a typo in reward.functions surviving until the first scoring."""
+    from grpo_mega.rewards import REWARD_REGISTRY
+
+    cfg = load_config(None, ["--reward.functions=[maths]"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1, check_hardware=False)
+    msg = str(err.value)
+    assert "reward.functions" in msg and "'maths'" in msg and "--reward.functions" in msg, msg
+    assert all(repr(name) in msg for name in REWARD_REGISTRY), msg
+
+
+def test_registering_a_kl_estimator_makes_it_valid_in_config():
+    """Guards against a second, hand-kept list of names: registering a variant must be
+    the only edit needed for config to accept it (and removing it refuses it again)."""
+    from grpo_mega import algorithms as A
+
+    cfg = load_config(None, ["--algorithm.kl_kind=test_half_sq"])
+    with pytest.raises(ConfigError, match="algorithm.kl_kind"):
+        validate(cfg, 1, check_hardware=False)
+    A.KL_ESTIMATORS.register("test_half_sq")(lambda x: 0.5 * x * x)
+    try:
+        validate(cfg, 1, check_hardware=False)
+    finally:
+        A.KL_ESTIMATORS.unregister("test_half_sq")
+    with pytest.raises(ConfigError, match="algorithm.kl_kind"):
+        validate(cfg, 1, check_hardware=False)

@@ -1,0 +1,73 @@
+"""The reward registry: name -> reward function, and ``module:function`` resolution.
+
+A reward function has the signature
+``fn(prompt: str, completion: str, reference: str | None, metadata: dict, **kwargs) -> float``.
+Built-ins (``grpo_mega.rewards.math``) register themselves by name with the
+:func:`register_reward` decorator; a custom function is named
+``"package.module:function"`` and imported on use, which is also how a spawned
+scoring worker finds it. Config validation (``grpo_mega.preflight.validate``)
+checks ``reward.functions`` against ``REWARD_REGISTRY``.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+__all__ = ["RewardFn", "REWARD_REGISTRY", "register_reward", "resolve_reward", "RewardSpec"]
+
+RewardFn = Callable[..., float]
+REWARD_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make ``fn`` available to configs under ``name``."""
+
+    def deco(fn: RewardFn) -> RewardFn:
+        if name in REWARD_REGISTRY and REWARD_REGISTRY[name] is not fn:
+            raise ValueError(f"reward {name!r} is already registered")
+        REWARD_REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """A registered name, or ``"module:function"`` imported on demand."""
+    if name in REWARD_REGISTRY:
+        return REWARD_REGISTRY[name]
+    if ":" not in name:
+        raise KeyError(f"unknown reward {name!r}; registered: {sorted(REWARD_REGISTRY)}; "
+                       "a custom function is named 'package.module:function'")
+    module_name, _, attr = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(f"reward {name!r}: cannot import module {module_name!r}: {e}") from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise AttributeError(f"reward {name!r}: module {module_name!r} has no callable {attr!r}")
+    return fn
+
+
+
+@dataclass(frozen=True)
+class RewardSpec:
+    """One term of the total reward: ``weight * fn(..., **kwargs)``."""
+
+    name: str
+    """Registered name or ``"module:function"``."""
+    weight: float = 1.0
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def coerce(cls, spec: "RewardSpec | str | Mapping[str, Any]") -> "RewardSpec":
+        if isinstance(spec, RewardSpec):
+            return spec
+        if isinstance(spec, str):
+            return cls(spec)
+        unknown = set(spec) - {"name", "weight", "kwargs"}
+        if unknown:
+            raise ValueError(f"reward spec {dict(spec)} has unknown keys {sorted(unknown)}")
+        return cls(spec["name"], float(spec.get("weight", 1.0)), dict(spec.get("kwargs", {})))
+
