@@ -39,7 +39,7 @@ SMALL_BUCKET = 96 * 1024  # bytes: several buckets per stage for these tiny mode
 
 class FakeEngine:
     """An engine that stores what it receives and answers probes from it, the way
-    ``bridge.probe_worker_weights`` answers for an unsharded vLLM worker."""
+    ``rollout.worker.probe_weights`` answers for an unsharded vLLM worker."""
 
     def __init__(self, drop: str | None = None):
         self.store: dict[str, torch.Tensor] = {}
@@ -60,7 +60,7 @@ class FakeEngine:
     def reset_prefix_cache(self):
         self.resets += 1
 
-    def probe_weights(self, specs):
+    def probe(self, specs):
         probes = {}
         for name, rows, cols in specs:
             if name not in self.store:
