@@ -53,16 +53,11 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def _engine(hf_dir: Path):
-    from vllm import LLM
+    """The trainer's rollout engine, in-process, on a tokenizer-less checkpoint."""
+    from grpo_mega.rollout import EngineConfig, RolloutEngine
 
-    return LLM(model=str(hf_dir), dtype="float32", enforce_eager=True, max_model_len=64,
-               distributed_executor_backend="uni", skip_tokenizer_init=True, seed=0)
-
-
-def _shutdown(llm) -> None:
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
+    return RolloutEngine(EngineConfig(str(hf_dir), mode="inprocess", max_model_len=64, warmup=False,
+                                      extra={"skip_tokenizer_init": True}))
 
 
 def _save_hf(model, cfg, ps, src: Path, out: Path) -> None:
@@ -84,7 +79,7 @@ def bench_size(name: str, root: Path, repeats: int, bucket_mb: float) -> dict:
     import torch
 
     from grpo_mega.checkpoint import convert
-    from grpo_mega.bridge import VLLMEngine, WeightBridge
+    from grpo_mega.bridge import WeightBridge
     from grpo_mega.models import build_model
     from grpo_mega.distributed.state import init_parallel
     from tests.scripts.bridge_fixtures import write_hf_checkpoint
@@ -102,9 +97,8 @@ def bench_size(name: str, root: Path, repeats: int, bucket_mb: float) -> dict:
     params = sum(p.numel() for p in model.parameters())
 
     start = time.perf_counter()
-    llm = _engine(hf_dir)
+    engine = _engine(hf_dir)
     first_engine = time.perf_counter() - start
-    engine = VLLMEngine(llm)
     bridge = WeightBridge(model, cfg, ps, [engine], bucket_bytes=int(bucket_mb * 2**20))
     bridge.sync()  # warm up
     with torch.no_grad():  # weights change between syncs, as after optimizer steps
@@ -115,13 +109,14 @@ def bench_size(name: str, root: Path, repeats: int, bucket_mb: float) -> dict:
     sync_s = _median_time(lambda: stats.append(bridge.sync()), repeats)
     verify_s = statistics.median(s.verify_seconds for s in stats)
     nbytes = stats[-1].bytes
-    shm_bridge = WeightBridge(model, cfg, ps, [VLLMEngine(llm, transport="file", worker_extension=False)],
-                              bucket_bytes=int(bucket_mb * 2**20), verify=False)
+    shm_bridge = WeightBridge(model, cfg, ps, [engine], bucket_bytes=int(bucket_mb * 2**20), verify=False)
+    engine.weight_transport = "file"  # what a child-process engine does, timed on this one
     shm_s = _median_time(shm_bridge.sync, repeats)
+    engine.weight_transport = "tensors"
 
     ckpt = root / name / "naive"
     save_s = _median_time(lambda: _save_hf(model, cfg, ps, hf_dir, ckpt), repeats)
-    reload_s = _median_time(lambda: llm.collective_rpc(
+    reload_s = _median_time(lambda: engine.llm.collective_rpc(
         "reload_weights", kwargs={"weights_path": str(ckpt)}), repeats)
     rebuild = []
 
@@ -129,12 +124,12 @@ def bench_size(name: str, root: Path, repeats: int, bucket_mb: float) -> dict:
         start = time.perf_counter()
         new = _engine(ckpt)
         rebuild.append(time.perf_counter() - start)
-        _shutdown(new)
+        new.shutdown()
 
     for _ in range(max(1, min(repeats, 2))):  # an engine start is slow; 2 are enough
         rebuild_once()
     rebuild_s = statistics.median(rebuild)
-    _shutdown(llm)
+    engine.shutdown()
 
     res = {
         "size": name, "params": params, "hf_bytes": nbytes, "buckets": stats[-1].buckets,

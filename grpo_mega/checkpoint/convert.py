@@ -316,7 +316,7 @@ def load_mcore_weights(model, ckpt_dir: str | os.PathLike, ps, model_cfg: Option
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from grpo_mega.bridge import _unwrap
+    from grpo_mega.models import unwrap_model
 
     ckpt = Path(ckpt_dir)
     meta = _load_tensors_metadata(ckpt)
@@ -324,7 +324,7 @@ def load_mcore_weights(model, ckpt_dir: str | os.PathLike, ps, model_cfg: Option
         model_cfg = read_model_config(ckpt)
     if model_cfg is not None:
         _validate_checkpoint(meta, model_cfg, ckpt)
-    model = _unwrap(model)
+    model = unwrap_model(model)
     from grpo_mega.models import sharded_state_dict
     sharded = {k: v for k, v in sharded_state_dict(model, ps).items()
                if not isinstance(v, ShardedObject)}  # _extra_state: nothing to restore for weights
@@ -340,14 +340,14 @@ def load_hf_weights(model, hf_dir: str | os.PathLike, ps, model_cfg: Optional[Mo
     """Load an HF checkpoint straight into this rank's built model, tensor by tensor
     (each rank reads only what its shard needs). Not collective."""
     from grpo_mega.models import layout as mcore_layout
-    from grpo_mega.bridge import _unwrap
+    from grpo_mega.models import unwrap_model
 
     cfg = model_cfg or model_config_from_hf(read_hf_config(hf_dir))
     reader = HFReader(hf_dir)
     check_hf_checkpoint(reader, cfg)
     per = cfg.num_layers // ps.pp
     with torch.no_grad():
-        for local_name, p in _unwrap(model).named_parameters():
+        for local_name, p in unwrap_model(model).named_parameters():
             name = mcore_layout.to_global_name(local_name, ps.pp_rank, per)
             if name == "output_layer.weight" and cfg.tie_embeddings:
                 name = "embedding.word_embeddings.weight"  # the last stage's tied copy

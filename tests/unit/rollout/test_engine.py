@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_mega.rollout import (
-    EngineConfig, RolloutBatch, RolloutEngine, SamplingConfig, _request_seed, logprobs_mode_for,
-)
+from grpo_mega.rollout import EngineConfig, RolloutBatch, RolloutEngine, SamplingConfig, logprobs_mode_for
+from grpo_mega.rollout.engine import _request_seed
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = [pytest.mark.vllm,
@@ -134,17 +133,15 @@ def test_request_seeds_differ_per_prompt_and_step():
     assert _request_seed(None, 0, 0, 4) is None
 
 
-def test_batch_to_tensors_aligns_logprobs_with_tokens():
+def test_batch_survives_the_replica_broadcast_round_trip():
+    """Guards child mode's broadcast (to_dict / from_dict over the replica group)
+    dropping or reordering a field: every rank must get the holder's batch."""
     batch = RolloutBatch(prompt_ids=[[5, 6], [7]], response_ids=[[8, 9, 2], [10]],
                          logprobs=[[-0.1, -0.2, -0.3], [-0.4]], finish_reasons=["stop", "length"],
-                         prompt_index=[0, 1], group_size=1)
-    t = batch.to_tensors(pad_id=0)
-    assert t["tokens"].tolist() == [[5, 6, 8, 9, 2], [7, 10, 0, 0, 0]]
-    assert t["response_mask"].tolist() == [[False, False, True, True, True], [False, True, False, False, False]]
-    assert t["rollout_logprobs"][0, 2:].tolist() == pytest.approx([-0.1, -0.2, -0.3])
-    assert t["rollout_logprobs"][1, 1].item() == pytest.approx(-0.4)
-    assert t["prompt_lengths"].tolist() == [2, 1] and t["response_lengths"].tolist() == [3, 1]
+                         prompt_index=[0, 1], group_size=1, texts=["a", "b"], stop_reasons=[2, None],
+                         logprobs_mode="processed_logprobs", seconds=1.5)
     assert RolloutBatch.from_dict(batch.to_dict()) == batch
+    assert batch.response_lengths == [3, 1] and batch.num_response_tokens == 4
 
 
 @needs_transformers
@@ -315,8 +312,9 @@ class TestInProcessEngine:
             assert theirs.decode(ours.encode(s)) == s
 
     def test_update_weights_gives_outputs_of_the_new_weights(self, engine, prompts, artifacts):
-        """qwen2_b ties its embeddings: without re-sending the head, vLLM on
-        CPU kept the old prepacked LM head and logits were ~5 nats off."""
+        """qwen2_b ties its embeddings and lm_head.weight is never sent: without
+        the worker's repack of tied modules after reload_weights, vLLM on CPU
+        kept the old prepacked LM head and logits were ~5 nats off."""
         from safetensors.torch import load_file
 
         before = engine.generate(prompts, step=3)
@@ -325,22 +323,56 @@ class TestInProcessEngine:
         first = {k: v for k, v in weights_b.items() if "layers.0." in k or "embed" in k}
         seconds = engine.update_weights(first)
         seconds += engine.update_weights([(k, v) for k, v in weights_b.items() if k not in first])
+        engine.reset_prefix_cache()
         after = engine.generate(prompts, step=3)
         assert after.response_ids != before.response_ids
         assert hf_logprob_error(artifacts["qwen2_b"], after, 0.7) < TOL
         assert seconds < 5
         engine.update_weights(load_file(Path(artifacts["qwen2_a"]) / "model.safetensors"))
+        engine.reset_prefix_cache()
         restored = engine.generate(prompts, step=3)
         assert restored.response_ids == before.response_ids
 
-    def test_sleep_and_wake_are_logged_noops_on_cpu(self, engine, prompts, caplog):
+    def test_release_and_resume_are_recorded_noops_on_cpu(self, engine, prompts, caplog):
+        """Guards the trainer's phase switch on CPU: release()/resume() must be
+        counted and logged as skipped, must not call vLLM's sleep (unsupported on
+        CPU), and generation after them must give the same samples as before."""
         if torch.cuda.is_available():
             pytest.skip("CPU behaviour")
-        with caplog.at_level(logging.INFO, logger="grpo_mega.rollout"):
-            engine.sleep()
-            engine.wake_up()
-        assert "sleep skipped: vLLM has no sleep mode on CPU" in caplog.text
-        assert len(engine.generate(prompts[:1], step=0)) == 4
+        before = engine.generate(prompts[:1], step=0)
+        releases, resumes = engine.releases, engine.resumes
+        with caplog.at_level(logging.INFO, logger="grpo_mega.rollout.engine"):
+            engine.release()
+            engine.resume()
+        assert (engine.releases, engine.resumes) == (releases + 1, resumes + 1)
+        assert not engine.memory_released
+        assert "release skipped: vLLM has no sleep mode on CPU" in caplog.text
+        assert "resume skipped: vLLM has no sleep mode on CPU" in caplog.text
+        after = engine.generate(prompts[:1], step=0)
+        assert after.response_ids == before.response_ids and after.logprobs == before.logprobs
+
+    def test_probe_reads_back_the_engines_weights(self, engine, artifacts):
+        """Guards the bridge's verification reads: probe() through the worker
+        extension returns exact columns of a fused (qkv) matrix, the embedding
+        rows, and the tied lm_head's kernel, one result per worker."""
+        from safetensors.torch import load_file
+
+        w = load_file(Path(artifacts["qwen2_a"]) / "model.safetensors")
+        specs = [("model.layers.0.self_attn.k_proj.weight", None, [1, 7]),
+                 ("model.embed_tokens.weight", [3, 11], [0, 5])]
+        (res,) = engine.probe(specs)
+        (k,) = res["probes"]["model.layers.0.self_attn.k_proj.weight"]
+        assert torch.equal(_values(k["values"]), w["model.layers.0.self_attn.k_proj.weight"][:, [1, 7]])
+        readings = res["probes"]["model.embed_tokens.weight"]
+        assert any("ParallelLMHead" in r.get("via", "") for r in readings)
+        embed = w["model.embed_tokens.weight"]
+        for r in readings:
+            want = embed[[3, 11]] if r["cols"] is None else embed[[3, 11]][:, [0, 5]]
+            assert torch.equal(_values(r["values"]), want), r.get("via")
+
+
+def _values(v) -> torch.Tensor:
+    return torch.tensor(v["data"], dtype=torch.float32).reshape(v["shape"])
 
 
 # ---------------------------------------------------------------------------
@@ -394,6 +426,7 @@ def _external_launcher_rank(rank, world, art):
     vllm_tok = eng.llm.get_tokenizer()
     encodings = [vllm_tok.encode(s, add_special_tokens=False) for s in TOKENIZER_PROBES]
     seconds = eng.update_weights(load_file(Path(art["llama_b"]) / "model.safetensors"))
+    eng.reset_prefix_cache()
     second = eng.generate_for_replica(prompts, step=0)
     after = _trainer_collectives_after(rank, replica)
     eng.shutdown()  # last: vLLM's teardown destroys the default process group
@@ -424,11 +457,6 @@ def test_external_launcher_tp2_engine_coexists_with_trainer_collectives(artifact
     assert r0["collectives"] == r1["collectives"] == [3.0, 10.0, 1.0]
 
 
-def _worker_embedding_sum(worker) -> float:
-    """Runs inside vLLM's worker (through WorkerExtension.grpo_mega_call)."""
-    return float(worker.model_runner.get_model().model.embed_tokens.weight.double().sum())
-
-
 def _child_rank(rank, world, art, prompts, sampling):
     from safetensors.torch import load_file
 
@@ -443,9 +471,9 @@ def _child_rank(rank, world, art, prompts, sampling):
                         replica_group=replica)
     fresh_b = eng.generate(prompts, step=3)
     seconds = eng.update_weights(load_file(Path(art["qwen2_a"]) / "model.safetensors") if rank == 0 else {})
+    eng.reset_prefix_cache()
     updated_a = eng.generate(prompts, step=3)
-    probe = eng.llm.collective_rpc("grpo_mega_call", args=("tests.unit.rollout.test_engine:_worker_embedding_sum",)) \
-        if eng.holds_engine else None
+    probe = eng.probe([("model.embed_tokens.weight", [0, 5, 9], [0])])  # [] where no engine
     leftovers = [f for f in os.listdir(eng.config.shm_dir) if f.startswith("grpo_mega_weights_")]
     after = _trainer_collectives_after(rank, replica)
     holds, startup = eng.holds_engine, eng.startup_seconds
@@ -471,14 +499,18 @@ def test_child_engine_serves_its_replica_and_updates_through_shm(engine, prompts
     assert r0["fresh_b"] == r1["fresh_b"] and r0["updated_a"] == r1["updated_a"]
     assert r0["leftovers"] == [] and r0["collectives"] == r1["collectives"] == [3.0, 10.0, 1.0]
     embed_a = load_file(Path(artifacts["qwen2_a"]) / "model.safetensors")["model.embed_tokens.weight"]
-    assert r0["probe"] == [pytest.approx(embed_a.double().sum().item(), abs=1e-6)]
+    assert r1["probe"] == [] and len(r0["probe"]) == 1  # one worker, in the child process
+    (weight_read, *_) = r0["probe"][0]["probes"]["model.embed_tokens.weight"]
+    assert torch.equal(_values(weight_read["values"]), embed_a[[0, 5, 9]])
     on_a = engine.generate(prompts, step=3)
     assert RolloutBatch.from_dict(r0["updated_a"]).response_ids == on_a.response_ids
     engine.update_weights(load_file(Path(artifacts["qwen2_b"]) / "model.safetensors"))
+    engine.reset_prefix_cache()
     try:
         updated_b = engine.generate(prompts, step=3)
     finally:
         engine.update_weights(load_file(Path(artifacts["qwen2_a"]) / "model.safetensors"))
+        engine.reset_prefix_cache()
     fresh_b = RolloutBatch.from_dict(r0["fresh_b"])
     assert fresh_b.response_ids == updated_b.response_ids
     assert max(abs(a - b) for x, y in zip(fresh_b.logprobs, updated_b.logprobs) for a, b in zip(x, y)) < TOL

@@ -1,0 +1,133 @@
+"""Bucketed export of a megatron model's weights as HF-named full tensors.
+
+What: from any TP x PP x DP layout, every rank (or every stage, with
+``all_stages=False``) gets the model's HF tensors in buckets of about
+``bucket_bytes``:
+
+1. Each pipeline stage walks its own parameters, grouped by megatron module, with
+   global layer indices. Per tensor, the TP shards are all-gathered into the
+   canonical full tensor (``models.layout.gather``: grouped QKV, [gate; up] fc1
+   halves, vocabulary padding removed) and turned into HF tensors by the family's
+   mapping table (``models.hf.canonical_to_hf``). The tied output layer is skipped
+   (the embedding is exported once, from stage 0).
+2. A module is never split over two buckets: vLLM reprocesses a fused layer
+   (qkv_proj = q, k, v weights and biases; gate_up_proj) once all its tensors
+   arrived, and a partial update silently corrupts it.
+3. With PP > 1 every engine needs every stage's weights, so stages take turns:
+   stage s broadcasts its buckets over the PP group one at a time (a name/shape
+   header, then the tensors). No rank ever holds more than about one bucket plus
+   one module's gathered tensors; nobody gathers the whole model.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from grpo_mega.config import ModelConfig
+from grpo_mega.models import hf as mapping
+from grpo_mega.models import layout as mcore_layout
+from grpo_mega.models.gpt import unwrap_model
+
+__all__ = ["export_buckets", "export_hf_weights", "DEFAULT_BUCKET_BYTES", "Bucket", "DTYPES", "nbytes"]
+
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+Bucket = list  # list[tuple[str, torch.Tensor]]: HF name, full tensor
+
+
+def _stage_modules(model, cfg: ModelConfig, ps) -> list[list[tuple[str, torch.Tensor]]]:
+    """This stage's parameters as [(canonical name, local tensor)] per megatron module,
+    in model order. The last stage's tied copy of the embedding is left out."""
+    per = cfg.num_layers // ps.pp
+    groups: dict[str, list] = {}
+    for local_name, p in unwrap_model(model).named_parameters():
+        name = mcore_layout.to_global_name(local_name, ps.pp_rank, per)
+        if name == "output_layer.weight" and cfg.tie_embeddings:
+            continue
+        groups.setdefault(mapping.module_of(name), []).append((name, p.detach()))
+    return list(groups.values())
+
+
+def _gather_module(params, cfg: ModelConfig, ps) -> list[tuple[str, torch.Tensor]]:
+    """TP all-gather each tensor of one module and map it to HF tensors (every TP rank
+    gets them: a colocated engine needs the full tensors on every rank)."""
+    out = []
+    for name, local in params:
+        full = mcore_layout.gather(name, local, ps.tp_group, ps.tp, cfg.vocab_size)
+        out += mapping.canonical_to_hf(name, full, cfg)
+    return out
+
+
+def nbytes(pairs) -> int:
+    return sum(t.numel() * t.element_size() for _, t in pairs)
+
+
+def _stage_buckets(model, cfg: ModelConfig, ps, bucket_bytes: int) -> Iterator[Bucket]:
+    """This stage's HF tensors in buckets of about ``bucket_bytes`` (whole modules only)."""
+    bucket, size = [], 0
+    for params in _stage_modules(model, cfg, ps):
+        pairs = _gather_module(params, cfg, ps)
+        n = nbytes(pairs)
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket += pairs
+        size += n
+    if bucket:
+        yield bucket
+
+
+DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                               torch.int8, torch.uint8, torch.int32, torch.int64)}
+
+
+def _broadcast_bucket(bucket: Optional[Bucket], src: int, group) -> None:
+    header = None if bucket is None else [(n, tuple(t.shape), str(t.dtype)) for n, t in bucket]
+    dist.broadcast_object_list([header], src=src, group=group)
+    for _, t in bucket or ():
+        dist.broadcast(t.contiguous(), src=src, group=group)
+
+
+def _receive_bucket(src: int, group, device) -> Optional[Bucket]:
+    box = [None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    if box[0] is None:
+        return None
+    bucket = []
+    for name, shape, dtype in box[0]:
+        t = torch.empty(shape, dtype=DTYPES[dtype], device=device)
+        dist.broadcast(t, src=src, group=group)
+        bucket.append((name, t))
+    return bucket
+
+
+def export_buckets(model, model_cfg: ModelConfig, ps, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                   all_stages: bool = True) -> Iterator[Bucket]:
+    """Yield the model's HF tensors as buckets ``[(hf_name, full tensor), ...]``.
+
+    Collective: every rank of the TP and PP groups must exhaust the generator.
+    ``all_stages=True``: every rank receives every stage's buckets (stage 0's first),
+    broadcast over the PP group one bucket at a time. ``False``: each stage yields
+    only its own. Tensors may be views; do not modify them.
+    """
+    if ps.pp == 1 or not all_stages:
+        yield from _stage_buckets(model, model_cfg, ps, bucket_bytes)
+        return
+    for stage in range(ps.pp):
+        src = dist.get_global_rank(ps.pp_group, stage)
+        if ps.pp_rank == stage:
+            for bucket in _stage_buckets(model, model_cfg, ps, bucket_bytes):
+                _broadcast_bucket(bucket, src, ps.pp_group)
+                yield bucket
+            _broadcast_bucket(None, src, ps.pp_group)  # end of this stage
+        else:
+            while (bucket := _receive_bucket(src, ps.pp_group, ps.device)) is not None:
+                yield bucket
+
+
+def export_hf_weights(model, model_cfg: ModelConfig, ps, *,
+                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) for the whole model on every rank; same rules as ``export_buckets``."""
+    for bucket in export_buckets(model, model_cfg, ps, bucket_bytes=bucket_bytes):
+        yield from bucket

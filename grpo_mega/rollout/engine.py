@@ -1,0 +1,449 @@
+"""The vLLM rollout engine: one engine per data-parallel replica of the trainer.
+
+What: :class:`RolloutEngine` wraps ``vllm.LLM`` and implements
+:class:`~grpo_mega.rollout.types.RolloutEngineProtocol`. ``generate`` returns a
+:class:`RolloutBatch` (prompt ids, response ids, the sampled tokens' logprobs
+under the sampling distribution, finish reasons, lengths), group-major: sample
+``g * n + j`` is the j-th response to prompt g. ``update_weights`` loads new
+weights in place (HF names) through the worker extension
+(``grpo_mega.rollout.worker``), ``probe`` reads them back for the weight
+bridge, ``release``/``resume`` free accelerator memory while training when the
+engine is colocated (on CPU they are recorded no-ops).
+
+Layout: every rank draws the same global prompt batch;
+:meth:`RolloutEngine.generate_for_replica` takes this replica's contiguous
+slice (``data.shard_for_replica``) and every rank of the replica gets the
+replica's outputs. Three engine modes:
+
+``external_launcher`` (use this under torchrun when it fits)
+    Every rank of the job builds the engine inside its own process (vLLM's
+    SPMD "external launcher"); vLLM's tensor-parallel group is the trainer's
+    replica (``tensor_parallel_size = replica size``) and its data-parallel
+    size the number of replicas, so together they cover the world, which
+    vLLM requires. vLLM's ranks are laid out DP-outer / TP-inner, so the
+    replica must be a block of consecutive ranks (megatron's default order
+    with PP=1). Each rank gets its replica's outputs directly, and weights
+    are passed as in-process tensors (vLLM slices its own TP shard). Fast
+    to start; every ``generate`` call is collective over the world.
+``child``
+    The replica's first rank builds a default multiprocess engine (engine
+    core in a child process, ``uni`` executor there) and broadcasts the
+    outputs over the replica group. Works with any trainer layout. Weights
+    travel through a safetensors file in ``/dev/shm`` (never pickled lists,
+    never a disk checkpoint), read by the worker extension inside the child.
+    Slower to start; the script's work must sit under
+    ``if __name__ == "__main__":`` because the child re-imports ``__main__``.
+``inprocess``
+    ``uni`` executor in this process, no child. Only for a job of one
+    process: with a torch.distributed world > 1 already initialised it
+    HANGS (vLLM reuses the default process group and waits for ranks that
+    never join), so it is refused there.
+
+``mode="auto"`` picks ``inprocess`` for a single process, and inside a
+torch.distributed world ``external_launcher`` when every replica is a block of
+consecutive ranks, else ``child``.
+
+CPU (no GPU): dtype float32, eager mode, a small ``max_model_len``,
+``VLLM_CPU_KVCACHE_SPACE`` and ``HF_HUB_OFFLINE`` are set automatically.
+Note that vLLM's CPU worker replaces ``torch.set_num_threads`` in the process
+that hosts it (``inprocess``/``external_launcher``): set threads before.
+
+Logprobs: vLLM's default ``raw_logprobs`` are computed before temperature.
+When the engine's sampling uses temperature != 1 (or top-p/top-k) the engine
+is built with ``logprobs_mode="processed_logprobs"``: the log-probabilities
+of the distribution actually sampled from (after temperature, and after
+top-k/top-p truncation and renormalisation). A trainer that recomputes them
+must apply the same transforms.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+
+from grpo_mega.data import shard_for_replica
+from grpo_mega.rollout.types import EngineConfig, RolloutBatch, SamplingConfig, logprobs_mode_for
+from grpo_mega.rollout.worker import write_weight_file
+
+__all__ = ["RolloutEngine", "resolve_engine_mode"]
+
+log = logging.getLogger(__name__)
+
+
+def _dist_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def resolve_engine_mode(mode: str, consecutive_replicas: bool = True) -> str:
+    """``auto`` -> ``inprocess`` alone; in a world > 1 ``external_launcher``
+    when replicas are blocks of consecutive ranks, else ``child``."""
+    _, world = _dist_world()
+    if mode == "auto":
+        if world == 1:
+            return "inprocess"
+        return "external_launcher" if consecutive_replicas else "child"
+    if mode == "inprocess" and world > 1:
+        raise RuntimeError(
+            f"rollout engine_mode='inprocess' inside a torch.distributed world of {world} ranks "
+            "hangs (vLLM reuses the default process group); use 'external_launcher' or 'child'")
+    return mode
+
+
+def _request_seed(base: int | None, step: int, prompt_index: int, n: int) -> int | None:
+    """Per-prompt seed from (base, step, index); vLLM adds 0..n-1 per sample."""
+    if base is None:
+        return None
+    digest = hashlib.sha256(f"{base}:{step}:{prompt_index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") % (2**31 - n)  # seed + j stays an int32
+
+
+class RolloutEngine:
+    """A vLLM engine for one data-parallel replica of the trainer; implements
+    :class:`~grpo_mega.rollout.types.RolloutEngineProtocol`.
+
+    Args:
+        engine: how to build vLLM (:class:`EngineConfig`).
+        sampling: default sampling (its temperature picks the logprobs mode).
+        replica_group: the trainer's process group of this replica (the ranks
+            that share one copy of the model, e.g. megatron's model-parallel
+            group); None for a single process. Every rank of the world must
+            construct the engine (collective in ``external_launcher`` mode).
+        dp_rank, dp_size: this replica's index and the number of replicas.
+    """
+
+    def __init__(self, engine: EngineConfig, sampling: SamplingConfig | None = None, *,
+                 replica_group: Any = None, dp_rank: int = 0, dp_size: int = 1):
+        self.config = engine
+        self.sampling = sampling or SamplingConfig()
+        self.replica_group = replica_group
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.on_cpu = not torch.cuda.is_available()
+        self.logprobs_mode = engine.logprobs_mode or logprobs_mode_for(self.sampling)
+        self._replica_ranks = self._replica_layout()
+        self.mode = resolve_engine_mode(engine.mode, self._consecutive_replica())
+        if self.mode == "external_launcher" and not self._consecutive_replica():
+            raise ValueError(
+                f"external_launcher needs each replica to be consecutive ranks (vLLM lays out DP "
+                f"outer, TP inner): replica {self.dp_rank} is {self._replica_ranks}; use rollout "
+                "engine_mode='child' (or 'auto') for this layout")
+        self._step = 0
+        self._transport: str | None = None
+        self.releases = self.resumes = 0
+        self.memory_released = False
+        self.llm = None
+        self.startup_seconds = 0.0
+        # vLLM's CPU worker replaces torch.set_num_threads in its process;
+        # shutdown() puts the original back.
+        self._set_num_threads = torch.set_num_threads
+        if self.holds_engine:
+            start = time.perf_counter()
+            self.llm = self._build_llm()
+            if engine.warmup:
+                self._warmup()
+            self.startup_seconds = time.perf_counter() - start
+            log.info("rollout: vLLM engine (%s) up in %.1f s", self.mode, self.startup_seconds)
+
+    # -- construction ----------------------------------------------------
+    def _replica_layout(self) -> list[int]:
+        import torch.distributed as dist
+
+        _, world = _dist_world()
+        if world == 1:
+            if self.dp_size != 1:
+                raise ValueError(f"dp_size={self.dp_size} without a torch.distributed world")
+            return [0]
+        if self.replica_group is None:
+            raise ValueError("inside a torch.distributed world, pass replica_group (the ranks "
+                             "of this data-parallel replica)")
+        ranks = sorted(dist.get_process_group_ranks(self.replica_group))
+        if len(ranks) * self.dp_size != world:
+            raise ValueError(f"replica of {len(ranks)} ranks x dp_size={self.dp_size} != world {world}")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank={self.dp_rank} not in [0, {self.dp_size})")
+        return ranks
+
+    def _consecutive_replica(self) -> bool:
+        """Replica r is ranks [r*size, (r+1)*size): vLLM's external_launcher
+        layout (megatron's default order gives it when PP == 1 or DP == 1)."""
+        size = len(self._replica_ranks)
+        return self._replica_ranks == list(range(self.dp_rank * size, (self.dp_rank + 1) * size))
+
+    @property
+    def holds_engine(self) -> bool:
+        """Whether this rank hosts (part of) an engine."""
+        if self.mode == "child":
+            return _dist_world()[0] == self._replica_ranks[0]
+        return True
+
+    def _llm_kwargs(self) -> dict[str, Any]:
+        cfg = self.config
+        kwargs: dict[str, Any] = dict(
+            model=cfg.model,
+            tokenizer=cfg.tokenizer or cfg.model,
+            seed=cfg.seed,
+            logprobs_mode=self.logprobs_mode,
+            worker_extension_cls=cfg.worker_extension_cls,
+        )
+        if self.on_cpu:
+            kwargs.update(dtype=cfg.dtype or "float32",
+                          enforce_eager=True if cfg.enforce_eager is None else cfg.enforce_eager,
+                          max_model_len=cfg.max_model_len or 1024)
+        else:
+            # (On CPU vLLM reads gpu_memory_utilization as a fraction of RAM
+            # to reserve; the explicit KV cache size replaces it there.)
+            kwargs.update(dtype=cfg.dtype or "auto", enable_sleep_mode=cfg.colocate,
+                          gpu_memory_utilization=cfg.gpu_memory_utilization)
+            if cfg.enforce_eager is not None:
+                kwargs["enforce_eager"] = cfg.enforce_eager
+            if cfg.max_model_len is not None:
+                kwargs["max_model_len"] = cfg.max_model_len
+        if self.mode == "external_launcher":
+            kwargs.update(distributed_executor_backend="external_launcher",
+                          tensor_parallel_size=len(self._replica_ranks))
+            if self.dp_size > 1:
+                kwargs["data_parallel_size"] = self.dp_size
+        else:
+            kwargs.update(distributed_executor_backend="uni", tensor_parallel_size=1)
+        kwargs.update(cfg.extra)
+        return kwargs
+
+    def _engine_env(self) -> dict[str, str]:
+        env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+               # Read once at construction: 0 keeps the engine core in this
+               # process, 1 puts it in a child process.
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.mode == "child" else "0"}
+        if self.on_cpu:
+            env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get(
+                "VLLM_CPU_KVCACHE_SPACE", str(max(1, int(self.config.kv_cache_space_gib))))
+        return env
+
+    def _build_llm(self):
+        # The variables are set only while vLLM starts (a child engine inherits
+        # them), then restored: left behind, VLLM_ENABLE_V1_MULTIPROCESSING=0
+        # would turn a later engine in this process, or in processes it
+        # spawns, into an in-process one (which hangs inside a world > 1).
+        env = self._engine_env()
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            from vllm import LLM
+
+            return LLM(**self._llm_kwargs())
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def _warmup(self) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=2, logprobs=0, temperature=1.0, seed=0)
+        self.llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params, use_tqdm=False)
+
+    # -- generation ------------------------------------------------------
+    def _sampling_params(self, s: SamplingConfig, seed: int | None):
+        if s.transforms_logits and self.logprobs_mode == "raw_logprobs":
+            raise ValueError(
+                f"sampling with temperature={s.temperature}, top_p={s.top_p}, top_k={s.top_k} "
+                "on an engine built with raw logprobs would return logprobs of a different "
+                "distribution; build the engine with that sampling config (or "
+                "logprobs_mode='processed_logprobs')")
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else 0,
+            max_tokens=s.max_new_tokens, min_tokens=s.min_new_tokens, stop=list(s.stop) or None,
+            stop_token_ids=list(s.stop_token_ids) or None, ignore_eos=s.ignore_eos,
+            seed=seed, logprobs=0, detokenize=True)
+
+    def generate(self, prompts: Sequence[Any], sampling: SamplingConfig | None = None, *,
+                 step: int | None = None, prompt_offset: int = 0) -> RolloutBatch:
+        """Sample ``n`` responses for each prompt (token id lists or objects
+        with ``token_ids``, e.g. ``data.Prompt``). Collective over the replica
+        (and over the world for ``external_launcher``); every rank of the
+        replica returns the same batch. ``step`` feeds the per-request seeds
+        (default: an internal counter)."""
+        s = sampling or self.sampling
+        step = self._step if step is None else step
+        self._step = step + 1
+        batch = None
+        if self.holds_engine:
+            batch = self._generate_local(prompts, s, step, prompt_offset)
+        if self.mode == "child" and len(self._replica_ranks) > 1:
+            batch = self._broadcast(batch)
+        return batch
+
+    def generate_for_replica(self, global_prompts: Sequence[Any], sampling: SamplingConfig | None = None,
+                             *, step: int | None = None) -> RolloutBatch:
+        """Generate for this replica's slice of the global batch (the same on
+        every rank); ``prompt_index`` refers to the global batch."""
+        if len(global_prompts) % self.dp_size:
+            raise ValueError(f"global batch of {len(global_prompts)} prompts does not split over "
+                             f"{self.dp_size} replicas; make the prompt batch a multiple of dp size")
+        mine = shard_for_replica(global_prompts, self.dp_rank, self.dp_size)
+        offset = self.dp_rank * (len(global_prompts) // self.dp_size)
+        return self.generate(mine, sampling, step=step, prompt_offset=offset)
+
+    def _generate_local(self, prompts: Sequence[Any], s: SamplingConfig, step: int,
+                        offset: int) -> RolloutBatch:
+        from vllm.inputs import TokensPrompt
+
+        ids = [list(getattr(p, "token_ids", p)) for p in prompts]
+        max_len = self.llm.llm_engine.model_config.max_model_len
+        for i, p in enumerate(ids):
+            if not p:
+                raise ValueError(f"prompt {offset + i} is empty")
+            if len(p) + s.max_new_tokens > max_len:
+                # vLLM would reject it mid-batch or cut the response short.
+                raise ValueError(f"prompt {offset + i} has {len(p)} tokens; with max_new_tokens="
+                                 f"{s.max_new_tokens} it exceeds the engine's max_model_len={max_len} "
+                                 "(raise rollout max_model_len or lower data max_prompt_tokens)")
+        requests = [TokensPrompt(prompt_token_ids=p) for p in ids]
+        params = [self._sampling_params(s, _request_seed(s.seed, step, offset + i, s.n))
+                  for i in range(len(ids))]
+        start = time.perf_counter()
+        outputs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
+        seconds = time.perf_counter() - start
+        batch = RolloutBatch(prompt_ids=[], response_ids=[], logprobs=[], finish_reasons=[],
+                             prompt_index=[], group_size=s.n, logprobs_mode=self.logprobs_mode,
+                             seconds=seconds)
+        for i, out in enumerate(outputs):
+            completions = sorted(out.outputs, key=lambda c: c.index)
+            if len(completions) != s.n:
+                raise RuntimeError(f"vLLM returned {len(completions)} samples for prompt {i}, "
+                                   f"expected n={s.n}")
+            for c in completions:
+                batch.prompt_ids.append(list(ids[i]))
+                batch.response_ids.append(list(c.token_ids))
+                batch.logprobs.append(_sampled_logprobs(c))
+                batch.finish_reasons.append(str(c.finish_reason))
+                batch.stop_reasons.append(c.stop_reason)
+                batch.texts.append(c.text)
+                batch.prompt_index.append(offset + i)
+        return batch
+
+    def _broadcast(self, batch: RolloutBatch | None) -> RolloutBatch:
+        import torch.distributed as dist
+
+        box = [batch.to_dict() if batch is not None else None]
+        dist.broadcast_object_list(box, src=self._replica_ranks[0], group=self.replica_group)
+        return RolloutBatch.from_dict(box[0])
+
+    # -- weights (RolloutEngineProtocol) --------------------------------
+    @property
+    def weight_transport(self) -> str:
+        """How ``update_weights`` reaches the worker: ``tensors`` (engine in this
+        process) or ``file`` (engine core in a child process: /dev/shm)."""
+        return self._transport or ("file" if self.mode == "child" else "tensors")
+
+    @weight_transport.setter
+    def weight_transport(self, value: str) -> None:
+        if value not in ("tensors", "file"):
+            raise ValueError(f"weight_transport={value!r}; choose 'tensors' or 'file'")
+        self._transport = value
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]
+                       ) -> float:
+        """Load weights in place, by HF name; returns the seconds it took.
+
+        Call it on every rank of the replica; ranks that hold no engine
+        (child mode, except the replica's first rank) ignore the tensors, so
+        the bridge may pass an empty iterable there. A partial update
+        (a bucket) must cover whole fused layers: q, k and v together, gate
+        and up together (updating q alone silently corrupts outputs). Modules
+        tied to a reloaded weight are repacked inside the worker. Call
+        :meth:`reset_prefix_cache` after the last bucket.
+        """
+        if not self.holds_engine:
+            return 0.0
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        start = time.perf_counter()
+        tensors = [(name, t.detach()) for name, t in items]
+        if self.weight_transport == "file":
+            with write_weight_file(tensors, self.config.shm_dir) as path:
+                self.llm.collective_rpc("grpo_mega_update_from_file", args=(path,))
+        else:
+            self.llm.collective_rpc("grpo_mega_update", args=(tensors,))
+        seconds = time.perf_counter() - start
+        log.info("rollout: updated %d tensors in %.3f s (%s)", len(tensors), seconds, self.weight_transport)
+        return seconds
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV: it was computed with the weights before an update."""
+        if self.holds_engine:
+            self.llm.reset_prefix_cache()
+
+    def probe(self, specs: Sequence[Any]) -> list[dict]:
+        """The weight bridge's verification reads, one dict per vLLM worker
+        (see ``worker.probe_weights``); [] on a rank holding no engine."""
+        if not self.holds_engine:
+            return []
+        return self.llm.collective_rpc("grpo_mega_probe", args=(list(specs),))
+
+    # -- memory between phases ---------------------------------------------
+    def release(self) -> None:
+        """Free accelerator memory for the training phase (vLLM sleep level 1,
+        colocate=True on GPU). Otherwise a recorded no-op: ``releases`` counts
+        the calls, ``memory_released`` stays False."""
+        self.releases += 1
+        if self._sleep_unsupported("release"):
+            return
+        self.llm.sleep(level=1)
+        self.memory_released = True
+
+    def resume(self) -> None:
+        """Take the memory back before rollouts (vLLM wake_up); see :meth:`release`."""
+        self.resumes += 1
+        if self._sleep_unsupported("resume") or not self.memory_released:
+            return
+        self.llm.wake_up()
+        self.memory_released = False
+
+    def _sleep_unsupported(self, what: str) -> bool:
+        if not self.holds_engine:
+            return True
+        if self.on_cpu:
+            log.info("rollout: %s skipped: vLLM has no sleep mode on CPU", what)
+            return True
+        if not self.config.colocate:
+            log.info("rollout: %s skipped: engine built with colocate=False", what)
+            return True
+        return False
+
+    def shutdown(self) -> None:
+        """Drop the engine (its child process, in child mode).
+
+        In ``external_launcher``/``inprocess`` mode vLLM's teardown also
+        destroys torch.distributed's DEFAULT process group (vLLM's
+        ``cleanup_dist_env_and_memory``): call it after the trainer's last
+        collective, or not at all.
+        """
+        if self.llm is not None:
+            engine = getattr(self.llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None and hasattr(core, "shutdown"):
+                core.shutdown()
+            self.llm = None
+        torch.set_num_threads = self._set_num_threads
+
+    close = shutdown
+
+
+def _sampled_logprobs(completion) -> list[float]:
+    """The logprob of each sampled token (``SamplingParams(logprobs=0)``
+    returns exactly the sampled token's entry per position)."""
+    lps = completion.logprobs
+    if lps is None or len(lps) != len(completion.token_ids):
+        raise RuntimeError("vLLM returned no per-token logprobs for a sample")
+    return [float(lps[t][tok].logprob) for t, tok in enumerate(completion.token_ids)]

@@ -1,0 +1,203 @@
+"""Rollout data types and the engine protocol the trainer and the weight bridge use.
+
+What: the sampling and engine configurations, :class:`RolloutBatch` (the
+samples of one generate call, group-major) and :class:`RolloutEngineProtocol`,
+the only surface through which the weight bridge talks to an engine. Kept
+free of vLLM so the bridge, the trainer and non-vLLM engines (tests) can use
+it without importing vLLM.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+
+import torch
+
+__all__ = [
+    "ENGINE_MODES", "SamplingConfig", "EngineConfig", "RolloutBatch", "RolloutEngineProtocol",
+    "ProbeSpec", "logprobs_mode_for",
+]
+
+ENGINE_MODES = ("auto", "external_launcher", "child", "inprocess")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How responses are sampled (one set per engine, overridable per call)."""
+
+    n: int = 1
+    """Responses per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 (or -1) disables top-k."""
+    max_new_tokens: int = 256
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    """Stop strings; the response ends after the token that completes one."""
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    """Base seed. Each request's seed is derived from (seed, step, prompt
+    index), so a run is reproducible and a resumed run passing the same
+    ``step`` draws the same samples. ``None``: unseeded."""
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"rollout n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"rollout temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"rollout top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"rollout max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def transforms_logits(self) -> bool:
+        """Whether sampling draws from something other than the plain softmax
+        of the logits. Greedy (temperature 0) does not count: it draws from
+        nothing, and its reported logprobs are the plain softmax's."""
+        if self.temperature == 0:
+            return False
+        return self.temperature != 1.0 or self.top_p < 1.0 or self.top_k > 0
+
+
+def logprobs_mode_for(sampling: SamplingConfig) -> str:
+    return "processed_logprobs" if sampling.transforms_logits else "raw_logprobs"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the vLLM engine is built. ``None`` means "chosen for the device"."""
+
+    model: str
+    """HF checkpoint directory (config.json + safetensors + tokenizer)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; defaults to ``model``."""
+    mode: str = "auto"
+    """One of ENGINE_MODES; see the module docstring."""
+    dtype: str | None = None
+    """None: float32 on CPU, "auto" (the checkpoint's) on GPU."""
+    max_model_len: int | None = None
+    """Prompt + response tokens; None: 1024 on CPU, the model's on GPU."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take (weights + KV cache). Ignored on CPU."""
+    enforce_eager: bool | None = None
+    """None: True on CPU (torch.compile stretched startup from ~5 s to ~67 s)."""
+    colocate: bool = False
+    """Enable vLLM's sleep mode so ``release()`` frees GPU memory while
+    training. Unsupported on CPU: release/resume are then recorded no-ops."""
+    kv_cache_space_gib: int = 1
+    """CPU only: KV cache size (VLLM_CPU_KVCACHE_SPACE); unset, vLLM took 14.75 GiB."""
+    seed: int = 0
+    """Engine seed; must be equal on all ranks of an external_launcher engine."""
+    logprobs_mode: str | None = None
+    """None: from the engine's sampling (see ``logprobs_mode_for``)."""
+    shm_dir: str = "/dev/shm"
+    """child mode: where the weight file of an update is written (RAM-backed)."""
+    worker_extension_cls: str = "grpo_mega.rollout.worker.WorkerExtension"
+    """Class mixed into vLLM's worker, by qualified name. A replacement must
+    derive from :class:`grpo_mega.rollout.worker.WorkerExtension`: weight
+    updates and probes call its methods by name."""
+    warmup: bool = True
+    """Run one tiny request with logprobs at startup (the first such request
+    is slow), so the first training step is timed fairly."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Further ``vllm.LLM`` keyword arguments, passed unchanged."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ENGINE_MODES:
+            raise ValueError(f"rollout engine_mode={self.mode!r}; choose one of {ENGINE_MODES}")
+
+
+# ---------------------------------------------------------------------------
+# The batch
+# ---------------------------------------------------------------------------
+
+@dataclass
+class RolloutBatch:
+    """Samples of one generate call, group-major (``len == num_prompts * n``)."""
+
+    prompt_ids: list[list[int]]
+    """Per sample (each prompt's ids repeated for its n samples)."""
+    response_ids: list[list[int]]
+    logprobs: list[list[float]]
+    """Per response token: its log-probability under the sampling distribution."""
+    finish_reasons: list[str]
+    """"stop" (eos, stop token or stop string) or "length" (hit max_new_tokens)."""
+    prompt_index: list[int]
+    """Index of each sample's prompt in the batch passed to generate (the
+    global batch for ``generate_for_replica``)."""
+    group_size: int
+    texts: list[str] = field(default_factory=list)
+    """vLLM's decoded response text (stop string excluded)."""
+    stop_reasons: list[Any] = field(default_factory=list)
+    """The stop string or stop token id that ended a sample, else None."""
+    logprobs_mode: str = "raw_logprobs"
+    seconds: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def response_lengths(self) -> list[int]:
+        return [len(r) for r in self.response_ids]
+
+    @property
+    def prompt_lengths(self) -> list[int]:
+        return [len(p) for p in self.prompt_ids]
+
+    @property
+    def num_response_tokens(self) -> int:
+        return sum(self.response_lengths)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "RolloutBatch":
+        return cls(**d)
+
+
+ProbeSpec = tuple  # (hf_name, rows: list[int] | None, cols: list[int] | None)
+
+
+@runtime_checkable
+class RolloutEngineProtocol(Protocol):
+    """What the trainer and the weight bridge call on a rollout engine.
+
+    Weight updates come in buckets of whole fused layers (q, k, v together;
+    gate and up together): an engine may repack a fused layer as soon as a
+    bucket arrives. Ranks that host no engine accept and ignore every call.
+    """
+
+    def generate(self, prompts: Sequence[Any], sampling: Any = None, *,
+                 step: int | None = None) -> RolloutBatch:
+        """Sample ``n`` responses per prompt (token id lists or objects with ``token_ids``)."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Any:
+        """Load HF-named full tensors in place (one bucket). Tensors may be
+        views the caller reuses: copy what must outlive the call."""
+        ...
+
+    def reset_prefix_cache(self) -> None:
+        """Drop cached KV (computed with the old weights); call after the last bucket."""
+        ...
+
+    def probe(self, specs: Sequence[ProbeSpec]) -> list[dict]:
+        """Read back slices of the held weights, one result per worker:
+        ``{"dtype": str, "probes": {hf_name: [reading, ...]}}`` where a reading is
+        ``{"values", "rows", "cols", "via"}`` or ``{"error"}``; see
+        ``grpo_mega.rollout.worker.probe_weights`` for the exact semantics."""
+        ...
+
+    def release(self) -> None:
+        """Free accelerator memory for the training phase (vLLM sleep)."""
+        ...
+
+    def resume(self) -> None:
+        """Take the memory back before the next rollout (vLLM wake_up)."""
+        ...

@@ -1,0 +1,266 @@
+"""Everything that runs inside a vLLM worker: weight reload, tied-weight repack, probes.
+
+Why a worker extension: an engine core in a child process runs worker code
+only by method name (pickled callables need VLLM_ALLOW_INSECURE_SERIALIZATION),
+so :class:`WorkerExtension` (mixed into vLLM's worker through
+``EngineConfig.worker_extension_cls``) carries every such entry point, and the
+engine calls them with ``collective_rpc("<method name>", ...)`` in every mode.
+
+* ``grpo_mega_update(named_tensors)`` / ``grpo_mega_update_from_file(path)``:
+  vLLM's ``reload_weights`` (HF names; redoes qkv / gate_up fusion and CPU
+  prepacking), then the repack of modules sharing a reloaded weight: on CPU a
+  tied lm_head keeps its own prepacked copy of the embedding, which plain
+  ``reload_weights`` leaves stale (new embedding, old logits).
+* ``grpo_mega_probe(specs)``: read back slices of HF-named weights for the
+  weight bridge's verification. vLLM's CPU linear layers drop their weight
+  after prepacking it, so a weight is read through the layer's own kernel:
+  multiplying by one-hot rows returns exact columns of W.
+
+The file transport (:func:`write_weight_file`) is the engine side of
+``grpo_mega_update_from_file``: a safetensors file in RAM-backed /dev/shm,
+never a checkpoint on disk, never pickled lists. vLLM is imported lazily.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from grpo_mega.safetensors_io import write_safetensors
+
+__all__ = ["WorkerExtension", "reload_weights", "reload_weights_from_file", "probe_weights",
+           "repack_shared_weights", "write_weight_file", "WEIGHT_FILE_PREFIX"]
+
+WEIGHT_FILE_PREFIX = "grpo_mega_weights_"
+
+
+class WorkerExtension:
+    """Mixed into vLLM's worker (``worker_extension_cls``); methods are called by
+    name through ``LLM.collective_rpc``. ``self`` is the vLLM worker."""
+
+    def grpo_mega_update(self, named_tensors) -> int:
+        return reload_weights(self, named_tensors)
+
+    def grpo_mega_update_from_file(self, path: str) -> int:
+        return reload_weights_from_file(self, path)
+
+    def grpo_mega_probe(self, specs) -> dict:
+        return probe_weights(self, specs)
+
+
+def reload_weights(worker, named_tensors) -> int:
+    """Runs inside a vLLM worker: reload HF-named tensors in place.
+
+    vLLM's ``worker.reload_weights`` takes HF names and redoes its packing (qkv / gate_up
+    fusion, CPU prepacking); ``model.load_weights`` on the live model fails on CPU.
+    Then modules that share a weight with a reloaded one are repacked: on CPU a tied
+    lm_head keeps its own prepacked copy of the embedding, which ``reload_weights``
+    does not refresh (the lm_head received no tensor), so it would keep producing
+    logits from the old weights while the embedding is new."""
+    named_tensors = list(named_tensors)
+    worker.reload_weights(weights_iterator=named_tensors)
+    repack_shared_weights(_worker_model(worker), [n for n, _ in named_tensors])
+    return len(named_tensors)
+
+
+def reload_weights_from_file(worker, path: str) -> int:
+    """Runs inside a vLLM worker: ``reload_weights`` from a safetensors file."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt", device="cpu") as f:
+        tensors = [(k, f.get_tensor(k)) for k in f.keys()]
+    return reload_weights(worker, tensors)
+
+
+def _worker_model(worker):
+    runner = worker.model_runner
+    return runner.get_model() if hasattr(runner, "get_model") else runner.model
+
+
+def _sharing_modules(model, with_names: bool = False) -> list:
+    """Groups of modules whose ``weight`` is one shared Parameter (tied embeddings);
+    with_names: groups of (qualified name, module)."""
+    owners: dict[int, list] = {}
+    for name, m in model.named_modules():
+        w = m._parameters.get("weight") if hasattr(m, "_parameters") else None
+        if w is not None and w.numel() and hasattr(m, "quant_method"):
+            owners.setdefault(id(w), []).append((name, m) if with_names else m)
+    return [mods for mods in owners.values() if len(mods) > 1]
+
+
+def repack_shared_weights(model, loaded: Optional[Sequence[str]] = None) -> int:
+    """Repack the modules of a sharing group that did not receive the weight themselves
+    when another module of the group did (``loaded``: the HF names just reloaded, which
+    vLLM has repacked already; None: repack every shared module). Packing a large
+    embedding costs ~0.1 s on CPU, so nothing else is touched."""
+    n = 0
+    loaded = None if loaded is None else set(loaded)
+    with torch.no_grad():
+        for group in _sharing_modules(model, with_names=True):
+            got = [loaded is None or f"{name}.weight" in loaded for name, _ in group]
+            if not any(got):
+                continue
+            for (_, m), fresh in zip(group, got):
+                if loaded is None or not fresh:
+                    m.quant_method.process_weights_after_loading(m)
+                    n += 1
+    return n
+
+
+@contextlib.contextmanager
+def _exact_matmul():
+    # TF32 would round the probed weights to 10 mantissa bits on GPU
+    if not torch.cuda.is_available():
+        yield
+        return
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def probe_weights(worker, specs) -> dict:
+    """Runs inside a vLLM worker: read back slices of HF-named weights.
+
+    specs: [(hf_name, rows, cols)]: ``rows`` None (matrix: W[:, cols]; 1-D: all) or
+    vocabulary rows (W[rows], plus the output kernel probed at hidden ``cols``).
+    Returns {"dtype": model dtype, "probes": {hf_name: [reading, ...]}}, a reading
+    being {"values": float32 tensor, "rows": global rows held here or None (all),
+    "cols": global columns or None (all), "via": what was read}; a tensor that
+    cannot be resolved gets [{"error": ...}]. Each worker reports its TP shard only.
+    """
+    model = _worker_model(worker)
+    packed = {}
+    for fused, subs in (getattr(model, "packed_modules_mapping", None) or {}).items():
+        for i, sub in enumerate(subs):
+            packed[sub] = (fused, i)
+    shared = {id(mods[0]._parameters["weight"]): mods for mods in _sharing_modules(model)}
+    out, cache = {}, {}
+    with torch.no_grad(), _exact_matmul():
+        for name, rows, cols in specs:
+            try:
+                out[name] = _probe_one(model, packed, shared, name, rows, cols, cache)
+            except Exception as e:  # noqa: BLE001 - reported to the trainer by name
+                out[name] = [{"error": f"{type(e).__name__}: {e}"}]
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return {"dtype": str(dtype), "probes": out}
+
+
+def _resolve(model, packed: dict, hf_name: str):
+    """(module, parameter name, shard index in a fused module or None)."""
+    mod_path, _, pname = hf_name.rpartition(".")
+    try:
+        return model.get_submodule(mod_path), pname, None
+    except AttributeError:
+        parent, _, leaf = mod_path.rpartition(".")
+        if leaf not in packed:
+            raise KeyError(f"engine model has no module {mod_path}") from None
+        fused, idx = packed[leaf]
+        return model.get_submodule(f"{parent}.{fused}" if parent else fused), pname, idx
+
+
+def _output_rows(module, shard: Optional[int]):
+    """(local row slice, global row indices or None for all) of one shard of a
+    column-parallel (possibly fused) layer's output."""
+    from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+
+    if isinstance(module, RowParallelLinear):
+        return slice(None), None
+    sizes = list(module.output_partition_sizes)
+    idx = shard or 0
+    off, size = sum(sizes[:idx]), sizes[idx]
+    owner = module.tp_rank
+    if isinstance(module, QKVParallelLinear) and idx > 0:
+        owner = module.tp_rank // module.num_kv_head_replicas  # kv heads replicated over ranks
+    first = owner * size if module.tp_size > 1 else 0
+    return slice(off, off + size), list(range(first, first + size))
+
+
+def _one_hot(cols: list[int], start: int, width: int, module) -> torch.Tensor:
+    """[len(cols), width] rows of the identity at ``cols - start`` (the probe input)."""
+    x = torch.zeros(len(cols), width, dtype=module.params_dtype,
+                    device=next(module.parameters()).device)
+    x[torch.arange(len(cols)), torch.tensor(cols, dtype=torch.long) - start] = 1
+    return x
+
+
+def _kernel(module, cols: list[int], start: int, width: int, cache: dict) -> torch.Tensor:
+    """module's own kernel applied to one-hot rows at ``cols``: [out_local, len(cols)],
+    i.e. exact columns of W even when vLLM prepacked the weight and dropped it."""
+    key = (id(module), tuple(cols), start)
+    if key not in cache:
+        x = _one_hot(cols, start, width, module)
+        cache[key] = module.quant_method.apply(module, x, bias=None).t()
+    return cache[key]
+
+
+def _plain(t: torch.Tensor) -> dict:
+    """Values as plain lists: vLLM's RPC encoder turns tensors nested in a result into
+    unresolved buffer references in a child-process engine; floats survive exactly."""
+    t = t.detach().float().cpu()
+    return {"shape": list(t.shape), "data": t.reshape(-1).tolist()}
+
+
+def _probe_one(model, packed: dict, shared: dict, name: str, rows, cols, cache: dict) -> list[dict]:
+    from vllm.model_executor.layers.linear import LinearBase, RowParallelLinear
+
+    module, pname, shard = _resolve(model, packed, name)
+    if rows is not None and hasattr(module, "shard_indices"):
+        # Vocabulary-parallel: this rank's real rows come first in its shard.
+        si = module.shard_indices
+        held = [r for r in rows if si.org_vocab_start_index <= r < si.org_vocab_end_index]
+        local = [r - si.org_vocab_start_index for r in held]
+        weight = module._parameters[pname]
+        readings = [{"rows": held, "cols": None, "values": _plain(weight[local]),
+                     "via": "weight"}]
+        # Every module computing with this weight (a tied lm_head too) through its own
+        # kernel: on CPU each keeps a prepacked copy that can go stale on its own.
+        for user in shared.get(id(weight), [module]):
+            if not hasattr(user.quant_method, "apply"):
+                continue
+            y = _kernel(user, list(cols), 0, weight.shape[1], cache)
+            readings.append({"rows": held, "cols": list(cols), "values": _plain(y[local]),
+                             "via": f"{type(user).__name__} kernel"})
+        return readings
+    if isinstance(module, LinearBase) and pname == "weight":
+        n_in = module.input_size_per_partition
+        start = module.tp_rank * n_in if isinstance(module, RowParallelLinear) else 0
+        held_cols = [c for c in cols if start <= c < start + n_in]
+        y = _kernel(module, held_cols, start, n_in, cache)
+        local, held = _output_rows(module, shard)
+        return [{"rows": held, "cols": held_cols, "values": _plain(y[local]),
+                 "via": f"{type(module).__name__} kernel"}]
+    if isinstance(module, LinearBase) and pname == "bias":
+        local, held = _output_rows(module, shard)
+        return [{"rows": held, "cols": None, "values": _plain(module.bias[local])}]
+    t = getattr(module, pname)
+    if rows is not None:
+        return [{"rows": list(rows), "cols": None, "values": _plain(t[rows])}]
+    return [{"rows": None, "cols": None, "values": _plain(t)}]
+
+
+@contextlib.contextmanager
+def write_weight_file(named_tensors: Sequence[tuple[str, torch.Tensor]], shm_dir: str = "/dev/shm"
+                      ) -> Iterator[str]:
+    """Engine side of the file transport: the tensors as one safetensors file in
+    ``shm_dir`` for the duration of the ``with`` block (the worker reads it inside),
+    removed afterwards even on error. Refuses early when the RAM disk is too small."""
+    need = sum(t.numel() * t.element_size() for _, t in named_tensors)
+    st = os.statvfs(shm_dir)
+    free = st.f_bavail * st.f_frsize
+    if need * 1.05 > free:
+        raise RuntimeError(f"weight update needs {need / 2**30:.2f} GiB in {shm_dir} but only "
+                           f"{free / 2**30:.2f} GiB are free; send smaller buckets or enlarge "
+                           "/dev/shm (docker: --shm-size)")
+    fd, path = tempfile.mkstemp(prefix=WEIGHT_FILE_PREFIX, suffix=".safetensors", dir=shm_dir)
+    os.close(fd)
+    try:
+        write_safetensors(path, named_tensors)
+        yield path
+    finally:
+        os.unlink(path)
