@@ -640,6 +640,12 @@ class RolloutEngine:
             return True
         return False
 
+    def release(self) -> None:
+        """Free the engine's memory between phases (stub; the rollout rework implements it)."""
+
+    def resume(self) -> None:
+        """Take the engine's memory back before it is used (stub; the rollout rework implements it)."""
+
     def shutdown(self) -> None:
         """Drop the engine (its child process, in child mode).
 
