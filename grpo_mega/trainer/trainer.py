@@ -105,8 +105,7 @@ class Trainer:
 
 def _model_shape_from_hf(cfg: Config) -> None:
     """Fill the model shape from the HF checkpoint's config.json (the engine's truth)."""
-    from grpo_mega.models import hf as mapping
-    from grpo_mega.models.hf_config import hf_config_from_model_config, model_config_from_hf
+    from grpo_mega.models.hf_config import model_config_from_hf
 
     path = Path(cfg.model.hf_checkpoint)
     if not (path / "config.json").is_file():
