@@ -4,10 +4,10 @@
     python benchmarks/bench_train_step.py --idle-engine             # update with/without engine
 
 Part 1 runs the demo config for a fixed number of steps at TP=1 (one process)
-and TP=2 (torchrun, 2 ranks), with and without the skip of the redundant
-old-policy forward (``GRPO_FORCE_OLD_LOGPROBS=1`` forces that pass, i.e. the
-behaviour before the optimisation), and prints the median seconds per stage
-read from each run's metrics.jsonl (the first 3 steps are warm-up, excluded).
+and TP=2 (torchrun, 2 ranks) and prints the median seconds per stage read from
+each run's metrics.jsonl (the first 3 steps are warm-up, excluded). The README's
+"before" rows (the redundant old-policy forward forced on) are historical: the
+loop no longer has a switch for it.
 
 Part 2 times the policy-update stage on a fixed batch in one process, first
 with no vLLM engine, then with a child-process engine alive and idle, then
@@ -33,7 +33,7 @@ ENV = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_O
 STAGES = ("rollout", "reward", "advantage", "logprobs", "update", "sync")
 
 
-def run_demo(tp: int, steps: int, force_old: bool) -> dict:
+def run_demo(tp: int, steps: int) -> dict:
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench_tp{tp}_"))
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                  "--standalone"] if tp == 2 else [sys.executable])
@@ -42,8 +42,7 @@ def run_demo(tp: int, steps: int, force_old: bool) -> dict:
                       f"--data.eval_path={ASSETS / 'eval.jsonl'}", f"--logging.run_dir={run_dir}",
                       f"--algorithm.steps={steps}", "--data.eval_every=0", "--checkpoint.save_every=0",
                       "--algorithm.time_limit_minutes=0", "--logging.tensorboard=false"]
-    env = dict(ENV, GRPO_FORCE_OLD_LOGPROBS="1" if force_old else "0")
-    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(cmd, env=ENV, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "reward_mean" in r][3:]
     out = {s: statistics.median(r.get(f"time/{s}", 0.0) for r in rows) for s in STAGES}
@@ -54,20 +53,18 @@ def run_demo(tp: int, steps: int, force_old: bool) -> dict:
 
 def part1(steps: int) -> None:
     print(f"demo config, {steps} steps, median over steps 4..{steps} (seconds)")
-    head = f"{'layout':<8}{'old-logp pass':<15}" + "".join(f"{s:>10}" for s in STAGES) + f"{'step':>8}{'tok/s':>8}"
+    head = f"{'layout':<8}" + "".join(f"{s:>10}" for s in STAGES) + f"{'step':>8}{'tok/s':>8}"
     print(head)
     for tp in (1, 2):
-        for force in (True, False):
-            r = run_demo(tp, steps, force)
-            label = "run (before)" if force else "skipped (now)"
-            print(f"{'TP=' + str(tp):<8}{label:<15}" + "".join(f"{r[s]:>10.3f}" for s in STAGES)
-                  + f"{r['step']:>8.3f}{r['tokens_per_s']:>8.0f}", flush=True)
+        r = run_demo(tp, steps)
+        print(f"{'TP=' + str(tp):<8}" + "".join(f"{r[s]:>10.3f}" for s in STAGES)
+              + f"{r['step']:>8.3f}{r['tokens_per_s']:>8.0f}", flush=True)
 
 
 def part2(iters: int) -> None:
     import torch
     from grpo_mega.config import load_config
-    from grpo_mega.trainer.batch import Sample, make_micro_batches, update_policy
+    from grpo_mega.trainer.batch import TrainingBatch, update_policy
     from grpo_mega.models import build_model
     from grpo_mega.optim.adamw import ParallelAdamW
     from grpo_mega.distributed.state import init_parallel
@@ -80,10 +77,13 @@ def part2(iters: int) -> None:
     model = build_model(cfg.model, ps)
     opt = ParallelAdamW(model, cfg.optimizer, ps)
     g = torch.Generator().manual_seed(0)
-    samples = [Sample(torch.randint(4, 16, (6,), generator=g).tolist(),
-                      torch.randint(4, 16, (4,), generator=g).tolist(), [-1.0] * 4, 0.0,
-                      float(torch.randn((), generator=g))) for _ in range(64)]
-    micro = make_micro_batches(samples, 32, 3)
+    prompts, responses, adv = [], [], []
+    for _ in range(64):
+        prompts.append(torch.randint(4, 16, (6,), generator=g).tolist())
+        responses.append(torch.randint(4, 16, (4,), generator=g).tolist())
+        adv.append(float(torch.randn((), generator=g)))
+    micro = TrainingBatch.pack(prompts, responses, [[-1.0] * 4] * 64, adv, pad_id=3,
+                               device=ps.device).split(32)
 
     def timed() -> float:
         ts = []

@@ -117,12 +117,20 @@ def _model_cfg(name: str, dtype: str, fp8: str = "none", recipe: str = "delayed"
                        **MODELS[name])
 
 
+def _random_batch(vocab_size: int, rows: int, seq: int, device):
+    """A TrainingBatch of random tokens: a 1-token prompt and seq-1 response tokens per row."""
+    from grpo_mega.trainer.batch import TrainingBatch
+
+    tokens = torch.randint(0, vocab_size, (rows, seq)).tolist()
+    return TrainingBatch.pack([r[:1] for r in tokens], [r[1:] for r in tokens],
+                              [[0.0] * (seq - 1)] * rows, [0.0] * rows, pad_id=0, device=device)
+
+
 def _logprob_loss(ps, vocab_size: int, fused: bool):
     from grpo_mega.trainer.batch import _logprobs_entropy
 
     def loss_fn(logits, mb):
-        tgt = mb["tokens"][:, 1:].to(logits.device)
-        logp, _ = _logprobs_entropy(logits, tgt, ps, vocab_size=vocab_size, temperature=1.0,
+        logp, _ = _logprobs_entropy(logits, mb.targets, ps, vocab_size=vocab_size, temperature=1.0,
                                     fused=fused)
         return -logp.mean(), {}
     return loss_fn
@@ -154,8 +162,7 @@ def bench_train(args, ps, timer, rows):
             try:
                 model = build_model(m, ps)
                 opt = ParallelAdamW(model, OptimizerConfig(lr=1e-6, clip_grad=1.0), ps)
-                tokens = torch.randint(0, m.vocab_size, (args.micro_batch, args.seq))
-                micro = [{"tokens": tokens}]
+                micro = [_random_batch(m.vocab_size, args.micro_batch, args.seq, ps.device)]
                 loss_fn = _logprob_loss(ps, m.vocab_size, fused)
 
                 def step():
@@ -186,8 +193,9 @@ def bench_ref(args, ps, timer, rows):
     dtype = "bfloat16" if timer.cuda else "float32"
     m = _model_cfg(args.models[0], dtype)
     ref = build_model(m, ps, frozen=True)
-    tokens = torch.randint(0, m.vocab_size, (args.micro_batch, args.seq))
-    micro = [{"tokens": tokens}]
+    batch = _random_batch(m.vocab_size, args.micro_batch, args.seq, ps.device)
+    batch.ref_logp = batch.empty_logp()
+    micro = [batch]
     fused = use_fused("auto", ps.device)
     sec = timer.median(lambda: compute_logprobs(ref, micro, ps, vocab_size=m.vocab_size,
                                                 temperature=1.0, key="ref_logp", fused=fused),

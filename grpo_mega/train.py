@@ -2,10 +2,11 @@
 
     torchrun --nproc-per-node 2 -m grpo_mega.train --config grpo_mega/configs/demo.yaml
 
-One step, as named and timed stages (DeepSeekMath GRPO, no critic):
+One step, as named and timed stages (DeepSeekMath GRPO, no critic), in
+``grpo_mega/trainer/stages.py``:
   rollout    G samples per prompt from the vLLM engine (sampled-token logprobs kept)
   reward     rule-based scores, in a process pool with a per-sample timeout
-  advantage  group-normalised rewards (z-score / Dr. GRPO / RLOO)
+  advantage  group-normalised rewards (z-score / Dr. GRPO / RLOO) -> one TrainingBatch
   logprobs   reference (KL) and, when the update goes off-policy, old-policy
              log-probs: forward-only through the pipeline, vocab-parallel
   update     ppo_epochs x mini-batches through the pipeline schedule, clipped
@@ -13,9 +14,6 @@ One step, as named and timed stages (DeepSeekMath GRPO, no critic):
   sync       trainer weights -> engine in place, verified
   log / checkpoint
 
-Invariant worth knowing: with ppo_epochs=1, one mini-batch and no TIS, the
-old-policy log-probs equal the current ones at update time, so that forward is
-skipped (the ratio is exactly 1 and only its gradient matters).
 Re-running the same command resumes from the latest checkpoint.
 """
 from __future__ import annotations
@@ -28,77 +26,30 @@ import time
 import torch
 import torch.distributed as dist
 
-from grpo_mega import algorithms as A
-from grpo_mega import models
-from grpo_mega.trainer.batch import Sample, compute_logprobs, make_micro_batches, update_policy
-from grpo_mega.algorithms.vocab_parallel_triton import use_fused
-from grpo_mega.models.precision import seq_multiple
-from grpo_mega.trainer.trainer import Trainer, build_trainer, evaluate, save, stage
-
-
-def rollout_and_score(t: Trainer, step: int, timings: dict) -> tuple[list[Sample], dict]:
-    cfg = t.cfg
-    with stage("rollout", timings):
-        prompts = t.dataset.next_batch(cfg.data.prompts_per_step)
-        batch = t.engine.generate_for_replica(prompts, step=step)
-    with stage("reward", timings):
-        rewards = t.score(prompts, batch)
-    with stage("advantage", timings):
-        adv = A.group_advantages(torch.tensor(rewards), cfg.rollout.n, norm=cfg.algorithm.norm,
-                                 baseline=cfg.algorithm.baseline)
-        samples = [Sample(list(p), list(r), list(lp), rw, float(a)) for p, r, lp, rw, a in
-                   zip(batch.prompt_ids, batch.response_ids, batch.logprobs, rewards, adv)]
-        stats = t.reward_stats(rewards, batch)
-        if cfg.algorithm.dynamic_sampling:
-            from grpo_mega.rewards import filter_uniform_groups
-            kept = filter_uniform_groups(rewards, cfg.rollout.n)
-            stats["groups_dropped"] = float(kept.num_dropped)
-            samples = [samples[i] for i in kept.sample_indices]
-    return samples, stats
-
-
-def train_on(t: Trainer, samples: list[Sample], timings: dict) -> dict:
-    cfg, ps, algo = t.cfg, t.ps, t.cfg.algorithm
-    mbs = cfg.parallel.micro_batch_size
-    per_rank_mini = (cfg.data.mini_batch_size or cfg.data.prompts_per_step * cfg.rollout.n) // ps.dp
-    minis = [samples[i:i + per_rank_mini] for i in range(0, len(samples), per_rank_mini)]
-    micro = [make_micro_batches(m, mbs, t.pad_id, seq_multiple(cfg.model)) for m in minis]
-    flat = [mb for ms in micro for mb in ms]
-    off_policy = (algo.ppo_epochs > 1 or len(minis) > 1 or algo.tis_cap is not None
-                  or os.environ.get("GRPO_FORCE_OLD_LOGPROBS") == "1")  # benchmark's "before"
-    kw = dict(vocab_size=cfg.model.vocab_size, temperature=t.temperature,
-              fused=use_fused(algo.logprob_kernel, ps.device))
-    with stage("logprobs", timings):
-        if t.ref is not None and flat:
-            offload = cfg.checkpoint.offload_reference  # keep the frozen copy off the GPU between uses
-            if offload:
-                models.offload(t.ref, ps.device)
-            compute_logprobs(t.ref, flat, ps, key="ref_logp", **kw)
-            if offload:
-                models.offload(t.ref, torch.device("cpu"))
-        if off_policy and flat:
-            compute_logprobs(t.model, flat, ps, key="old_logp", **kw)
-    metrics: dict = {}
-    with stage("update", timings):
-        for _ in range(algo.ppo_epochs):
-            for ms in micro:
-                if ms:
-                    metrics = update_policy(t.model, t.optimizer, ms, ps, algo, max_len=cfg.rollout.max_new_tokens,
-                                            reuse_current_as_old=not off_policy, **kw)
-                    t.scheduler.step()
-    return metrics
+from grpo_mega.trainer import stages as S
+from grpo_mega.trainer.stages import stage
+from grpo_mega.trainer.trainer import Trainer, build_trainer
 
 
 def grpo_step(t: Trainer, step: int) -> dict:
-    timings: dict = {}
+    timings: dict[str, float] = {}
     start = time.perf_counter()
-    samples, stats = rollout_and_score(t, step, timings)
-    metrics = train_on(t, samples, timings) if samples else {"skipped": 1.0}
+    with stage("rollout", timings):
+        prompts, rollout = S.rollout(t, step)
+    with stage("reward", timings):
+        rewards, stats = S.reward(t, prompts, rollout)
+    with stage("advantage", timings):
+        batch = S.advantage(t, rollout, rewards, stats)
+    metrics: dict = {"skipped": 1.0}  # every group was uniform: nothing to learn from
+    if len(batch):
+        with stage("logprobs", timings):
+            plan = S.logprobs(t, batch)
+        with stage("update", timings):
+            metrics = S.update(t, plan)
     with stage("sync", timings):
-        sync = t.bridge.sync()
-    metrics.update(t.gather_metrics(metrics), **stats, sync_gbps=sync.gbps)
-    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples) * t.ps.dp
-    metrics["tokens_per_s"] = tokens / (time.perf_counter() - start)
+        gbps = S.sync(t)
+    metrics.update(S.gather_metrics(t, metrics), **stats, sync_gbps=gbps)
+    metrics["tokens_per_s"] = batch.num_tokens * t.ps.dp / (time.perf_counter() - start)
     metrics["clipfrac"] = metrics.get("clipfrac_low", 0.0) + metrics.get("clipfrac_high", 0.0)
     metrics.update({f"time/{k}": v for k, v in timings.items()})
     return metrics
@@ -116,17 +67,16 @@ def run(t: Trainer) -> dict:
     cfg = t.cfg
     steps, every = cfg.algorithm.steps, cfg.data.eval_every
     if t.step == 0 and t.eval_initial is None:
-        t.eval_initial = evaluate(t, 0)
-        t.log(0, {"eval_accuracy": t.eval_initial})
+        t.eval_initial = S.evaluate(t, 0)
+        S.log(t, 0, {"eval_accuracy": t.eval_initial})
     bad_steps, last_eval = 0, t.eval_last
     limit = cfg.algorithm.time_limit_minutes * 60
     while t.step < steps:
         if limit and _agreed_elapsed(t) > limit:
             t.say(f"time limit of {cfg.algorithm.time_limit_minutes} min reached at step {t.step}")
             steps = t.step
-            last_eval = evaluate(t, t.step)
-            t.eval_last = last_eval
-            t.log(t.step, {"eval_accuracy": last_eval})
+            last_eval = t.eval_last = S.evaluate(t, t.step)
+            S.log(t, t.step, {"eval_accuracy": last_eval})
             break
         t.step += 1
         m = grpo_step(t, t.step)
@@ -139,13 +89,13 @@ def run(t: Trainer) -> dict:
         if cfg.algorithm.ref_reset_every and t.step % cfg.algorithm.ref_reset_every == 0 and t.ref is not None:
             t.ref.load_state_dict(t.model.state_dict())  # iterative GRPO: ref <- current policy
         if (every and t.step % every == 0) or t.step == steps:  # the final one always runs
-            last_eval = m["eval_accuracy"] = evaluate(t, t.step)
+            last_eval = m["eval_accuracy"] = S.evaluate(t, t.step)
         t.eval_last = last_eval
-        t.log(t.step, m)
+        S.log(t, t.step, m)
         if cfg.checkpoint.save_every and t.step % cfg.checkpoint.save_every == 0 and t.step < steps:
             with stage("checkpoint", {}):
-                save(t)
-    save(t)
+                S.checkpoint(t)
+    S.checkpoint(t)
     return t.finish()
 
 

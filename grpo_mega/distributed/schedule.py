@@ -8,9 +8,11 @@ logits), and the per-micro-batch outputs of ``loss_fn`` come back on the last
 stage in order.
 
 Micro-batches may differ in sequence length (each is padded only to its own
-longest sample), so the schedule communicates shapes between stages.
+longest sample), so the schedule communicates shapes between stages. A micro-batch
+is any object with a ``tokens: [b, s]`` attribute (the trainer's ``TrainingBatch``
+slices) or a dict with a ``"tokens"`` key (tests, benchmarks).
 
-    loss_fn(logits_shard: [b, s, V_pad/tp], mb: dict) -> (loss: 0-d, outputs: dict)
+    loss_fn(logits_shard: [b, s, V_pad/tp], mb) -> (loss: 0-d, outputs: dict)
 
 ``loss`` must already be normalised by the *global* batch (the schedule is told
 not to divide by the number of micro-batches); ``outputs`` are detached values.
@@ -18,7 +20,7 @@ not to divide by the number of micro-batches); ``outputs`` are detached values.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -30,7 +32,11 @@ def causal_mask(seq_len: int, device) -> torch.Tensor:
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), 1)[None, None]
 
 
-def run_microbatches(model, micro_batches: list[dict], loss_fn: Callable, ps: ParallelState,
+def _tokens(mb: Any) -> torch.Tensor:
+    return mb["tokens"] if isinstance(mb, dict) else mb.tokens
+
+
+def run_microbatches(model, micro_batches: list[Any], loss_fn: Callable, ps: ParallelState,
                      *, forward_only: bool) -> list[dict]:
     """Each ``mb`` holds at least ``tokens: [b, s]`` (long). Returns ``loss_fn`` outputs
     per micro-batch on the last stage, ``[]`` on other stages."""
@@ -50,13 +56,13 @@ def run_microbatches(model, micro_batches: list[dict], loss_fn: Callable, ps: Pa
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        tokens = mb["tokens"].to(ps.device)
+        tokens = _tokens(mb).to(ps.device)
         b, s = tokens.shape
         pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
         out = model(tokens, pos, causal_mask(s, tokens.device))
         return out, partial(loss_func, mb)
 
-    b, s = micro_batches[0]["tokens"].shape
+    b, s = _tokens(micro_batches[0]).shape
     fb = get_forward_backward_func()
     if forward_only:
         ctx = torch.no_grad()

@@ -1,80 +1,116 @@
-"""From rollout samples to per-token log-probs and the GRPO update, through the pipeline.
+"""One ``TrainingBatch`` per step, and the two passes that consume it through the pipeline.
 
-Token alignment: a sequence is ``prompt + response``; the logits at position
-``t`` predict token ``t + 1``. All per-token tensors here live on the shifted
-grid ``[b, s - 1]`` ("targets"): ``mask[:, t]`` is True when ``tokens[:, t + 1]``
+The batch is packed once, on the trainer's device, from this DP rank's rollout
+samples and their advantages. Token alignment: a sequence is ``prompt + response``
+and the logits at position ``t`` predict token ``t + 1``; the shift is done here
+once (``targets = tokens[:, 1:]``) and every per-token tensor lives on that
+shifted grid ``[N, S - 1]``: ``loss_mask[i, t]`` is True when ``tokens[i, t + 1]``
 is a response token.
 
-Micro-batches are padded only to their own longest sequence, and are built once
-per step so the forward-only passes (old / reference log-probs) and the update
-see the same grouping. Everything on the last stage stays there: log-probs,
-advantages and the loss never leave it.
+Mini-batches (PPO epochs / several optimizer steps) and micro-batches are row
+slices of the same storage. A micro-batch is also trimmed to its own longest
+sequence (rounded up to the FP8 multiple), so the work per micro-batch does not
+grow with the longest sequence of the step. Reference / old log-probs computed on
+the last pipeline stage are written straight into the batch's device tensors, and
+update metrics stay on the device until ``update_policy`` returns.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
+from torch import Tensor
 
 from grpo_mega import algorithms as A
 from grpo_mega.algorithms.vocab_parallel_triton import fused_logprobs_entropy
-from grpo_mega.models import mask_vocab_padding
-from grpo_mega.distributed.state import ParallelState
 from grpo_mega.distributed.schedule import run_microbatches
+from grpo_mega.distributed.state import ParallelState
+from grpo_mega.models import mask_vocab_padding
+
+_PER_TOKEN = ("targets", "loss_mask", "rollout_logp", "old_logp", "ref_logp")
 
 
 @dataclass
-class Sample:
-    """One prompt + response, with what the step computes for it."""
+class TrainingBatch:
+    """Everything one step trains on, as device tensors (N rows, S padded tokens)."""
 
-    prompt_ids: list[int]
-    response_ids: list[int]
-    rollout_logp: list[float]
-    reward: float = 0.0
-    advantage: float = 0.0
+    tokens: Tensor            # [N, S] long, prompt + response, right-padded with pad_id
+    targets: Tensor           # [N, S-1] long, tokens[:, 1:] (the next-token shift)
+    loss_mask: Tensor         # [N, S-1] bool, True on response targets
+    advantages: Tensor        # [N] float32
+    rollout_logp: Tensor      # [N, S-1] float32, the engine's log-probs of the sampled tokens
+    seq_lens: list[int]       # host copy of prompt + response lengths, to trim without a sync
+    pad_multiple: int = 1     # FP8 GEMMs need token counts that are a multiple of 16
+    old_logp: Optional[Tensor] = None  # [N, S-1] float32, filled by compute_logprobs
+    ref_logp: Optional[Tensor] = None  # [N, S-1] float32, filled by compute_logprobs
 
-
-def make_micro_batches(samples: list[Sample], micro_batch_size: int, pad_id: int,
-                       pad_to_multiple: int = 1) -> list[dict]:
-    """Split samples (in order) into micro-batches, each padded to its own longest
-    (rounded up to ``pad_to_multiple``: FP8 GEMMs need a multiple of 16 tokens).
-
-    Each dict: ``tokens [b, s]``, ``mask [b, s-1]`` (bool), ``advantages [b]``,
-    ``rollout_logp [b, s-1]``.
-    """
-    out = []
-    for i in range(0, len(samples), micro_batch_size):
-        chunk = samples[i:i + micro_batch_size]
-        s = max(len(x.prompt_ids) + len(x.response_ids) for x in chunk)
-        s = -(-s // pad_to_multiple) * pad_to_multiple
-        tokens = torch.full((len(chunk), s), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), s - 1), dtype=torch.bool)
-        rlp = torch.zeros((len(chunk), s - 1), dtype=torch.float32)
-        for j, x in enumerate(chunk):
-            p, r = len(x.prompt_ids), len(x.response_ids)
-            tokens[j, :p + r] = torch.tensor(x.prompt_ids + x.response_ids)
-            mask[j, p - 1:p - 1 + r] = True
+    @classmethod
+    def pack(cls, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+             rollout_logp: Sequence[Sequence[float]], advantages: Sequence[float] | Tensor, *,
+             pad_id: int, device: torch.device | str = "cpu", pad_to_multiple: int = 1) -> "TrainingBatch":
+        """Pad every row to the step's longest sequence (rounded up to ``pad_to_multiple``)
+        on the host, then move the batch to ``device`` once."""
+        lens = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+        n = len(lens)
+        s = -(-max(lens, default=1) // pad_to_multiple) * pad_to_multiple
+        tokens = torch.full((n, s), pad_id, dtype=torch.long)
+        mask = torch.zeros((n, s - 1), dtype=torch.bool)
+        rlp = torch.zeros((n, s - 1), dtype=torch.float32)
+        for i, (p_ids, r_ids, lp) in enumerate(zip(prompt_ids, response_ids, rollout_logp)):
+            p, r = len(p_ids), len(r_ids)
+            tokens[i, :p + r] = torch.tensor(list(p_ids) + list(r_ids), dtype=torch.long)
+            mask[i, p - 1:p - 1 + r] = True
             if r:
-                rlp[j, p - 1:p - 1 + r] = torch.tensor(x.rollout_logp, dtype=torch.float32)
-        out.append({"tokens": tokens, "mask": mask, "rollout_logp": rlp,
-                    "advantages": torch.tensor([x.advantage for x in chunk], dtype=torch.float32)})
-    return out
+                rlp[i, p - 1:p - 1 + r] = torch.tensor(list(lp), dtype=torch.float32)
+        adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(n)
+        tokens = tokens.to(device)
+        return cls(tokens=tokens, targets=tokens[:, 1:], loss_mask=mask.to(device),
+                   advantages=adv.to(device), rollout_logp=rlp.to(device), seq_lens=lens,
+                   pad_multiple=pad_to_multiple)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + response tokens (unpadded), from the host copy."""
+        return sum(self.seq_lens)
+
+    def empty_logp(self) -> Tensor:
+        """A zeroed [N, S-1] float32 buffer on the batch's device, for old/ref log-probs."""
+        return torch.zeros_like(self.rollout_logp)
+
+    def slice(self, start: int, stop: int) -> "TrainingBatch":
+        """Rows ``start:stop`` as views, columns trimmed to their own longest sequence."""
+        lens = self.seq_lens[start:stop]
+        s = -(-max(lens, default=1) // self.pad_multiple) * self.pad_multiple
+        s = min(s, self.tokens.shape[1])
+        rows = slice(start, stop)
+        per_tok = {k: (None if getattr(self, k) is None else getattr(self, k)[rows, :s - 1])
+                   for k in _PER_TOKEN}
+        return dataclasses.replace(self, tokens=self.tokens[rows, :s], advantages=self.advantages[rows],
+                                   seq_lens=lens, **per_tok)
+
+    def split(self, size: int) -> list["TrainingBatch"]:
+        """Consecutive slices of ``size`` rows (the last one may be shorter)."""
+        return [self.slice(i, min(i + size, len(self))) for i in range(0, len(self), size)]
 
 
-def _target_logits(logits: torch.Tensor, vocab_size: int, ps: ParallelState,
-                   temperature: float) -> torch.Tensor:
+def _target_logits(logits: Tensor, vocab_size: int, ps: ParallelState, temperature: float) -> Tensor:
     """[b, s, V_pad/tp] -> fp32 [b, s-1, V_pad/tp] of the sampling distribution."""
     z = mask_vocab_padding(logits[:, :-1], vocab_size, ps.tp_rank).float()
     # vLLM's processed logprobs are of softmax(logits / T); the ratio must use the same.
     return z / temperature if temperature not in (0.0, 1.0) else z
 
 
-def _logprobs_entropy(logits: torch.Tensor, tgt: torch.Tensor, ps: ParallelState, *,
-                      vocab_size: int, temperature: float, fused: bool, entropy: bool = True):
-    """(logp, entropy or None), each [b, s-1], of the sampling distribution. ``fused``: the
-    Triton kernel reads the bf16 shard directly; otherwise the shard is masked, upcast and
-    scaled first. Entropy is a metric here, so it carries no gradient."""
+def _logprobs_entropy(logits: Tensor, tgt: Tensor, ps: ParallelState, *, vocab_size: int,
+                      temperature: float, fused: bool, entropy: bool = True):
+    """(logp, entropy or None), each [b, s-1], of the sampling distribution, for logits
+    [b, s, V_pad/tp] and targets [b, s-1]. ``fused``: the Triton kernel reads the bf16
+    shard directly; otherwise the shard is masked, upcast and scaled first. Entropy is a
+    metric here, so it carries no gradient."""
     if fused:
         logp, ent = fused_logprobs_entropy(logits[:, :-1], tgt, ps.tp_group,
                                            temperature=temperature, vocab_size=vocab_size)
@@ -87,63 +123,75 @@ def _logprobs_entropy(logits: torch.Tensor, tgt: torch.Tensor, ps: ParallelState
         return logp, A.vocab_parallel_entropy(z.detach(), ps.tp_group)
 
 
-def compute_logprobs(model, micro: list[dict], ps: ParallelState, *, vocab_size: int,
+def compute_logprobs(model, micro: list[TrainingBatch], ps: ParallelState, *, vocab_size: int,
                      temperature: float, key: str, fused: bool = False) -> None:
-    """Forward-only pass; stores ``mb[key]: [b, s-1]`` on the last stage."""
+    """Forward-only pass; on the last stage writes each micro-batch's log-probs into its
+    ``key`` tensor ("old_logp" / "ref_logp"), a view of the step's batch (allocate it
+    with ``empty_logp`` before slicing)."""
 
-    def loss_fn(logits, mb):
-        tgt = mb["tokens"][:, 1:].to(logits.device)
-        logp, _ = _logprobs_entropy(logits, tgt, ps, vocab_size=vocab_size,
+    def loss_fn(logits, mb: TrainingBatch):
+        logp, _ = _logprobs_entropy(logits, mb.targets, ps, vocab_size=vocab_size,
                                     temperature=temperature, fused=fused, entropy=False)
-        return logits.new_zeros(()), {key: logp.cpu()}
+        getattr(mb, key).copy_(logp)
+        return logits.new_zeros(()), {}
 
-    outs = run_microbatches(model, micro, loss_fn, ps, forward_only=True)
-    for mb, o in zip(micro, outs):
-        mb.update(o)
+    run_microbatches(model, micro, loss_fn, ps, forward_only=True)
 
 
-def update_policy(model, optimizer, micro: list[dict], ps: ParallelState, algo, *,
+def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelState, algo, *,
                   vocab_size: int, temperature: float, max_len: int,
-                  reuse_current_as_old: bool, fused: bool = False) -> dict:
+                  reuse_current_as_old: bool, fused: bool = False) -> dict[str, Tensor | float]:
     """One optimizer step over ``micro`` (this DP rank's share of a mini-batch).
 
     The loss of each micro-batch is its share of the global mini-batch mean
-    (``A.global_batch_counts`` over DP), so gradients are summed over
-    micro-batches and DP ranks. ``reuse_current_as_old``: with one PPO epoch and
-    no TIS, old log-probs equal the current ones, so no extra forward was run.
+    (``A.global_batch_counts`` over DP), so gradients are summed over micro-batches
+    and DP ranks. ``reuse_current_as_old``: with one PPO epoch and no TIS, old
+    log-probs equal the current ones, so no extra forward was run. Returns the
+    metrics as 0-d float64 device tensors (``grad_norm`` / ``skipped`` as floats from
+    the optimizer); ``metrics_to_floats`` turns them into numbers once per step.
     """
-    tokens, seqs = A.global_batch_counts([mb["mask"] for mb in micro], ps.dp_group if ps.dp > 1 else None)
-    sums: dict[str, float] = {}
+    tokens, seqs = A.global_batch_counts([mb.loss_mask for mb in micro], ps.dp_group if ps.dp > 1 else None)
 
-    def loss_fn(logits, mb):
-        dev = logits.device
-        tgt = mb["tokens"][:, 1:].to(dev)
-        logp, entropy = _logprobs_entropy(logits, tgt, ps, vocab_size=vocab_size,
+    def loss_fn(logits, mb: TrainingBatch):
+        logp, entropy = _logprobs_entropy(logits, mb.targets, ps, vocab_size=vocab_size,
                                           temperature=temperature, fused=fused)
-        old = logp.detach() if reuse_current_as_old else mb["old_logp"].to(dev)
+        old = logp.detach() if reuse_current_as_old else mb.old_logp
         loss, m = A.policy_loss(
-            logp, old, mb["advantages"].to(dev), mb["mask"].to(dev),
+            logp, old, mb.advantages, mb.loss_mask,
             clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
-            agg=algo.loss_agg, ref_logp=mb["ref_logp"].to(dev) if algo.kl_coef > 0 else None,
+            agg=algo.loss_agg, ref_logp=mb.ref_logp if algo.kl_coef > 0 else None,
             kl_coef=algo.kl_coef, kl_kind=algo.kl_kind,
-            rollout_logp=mb["rollout_logp"].to(dev) if algo.tis_cap else None,
+            rollout_logp=mb.rollout_logp if algo.tis_cap else None,
             tis_cap=algo.tis_cap, entropy=entropy, max_len=max_len,
             global_tokens=max(tokens, 1), global_seqs=max(seqs, 1))
-        n_valid = float(mb["mask"].sum())
-        gap = ((logp.detach() - mb["rollout_logp"].to(dev)).abs() * mb["mask"].to(dev)).sum()
-        stats = {k: float(v) * n_valid for k, v in m.items() if k not in ("pg_loss", "kl_loss")}
-        stats.update(loss=float(loss.detach()), n_tokens=n_valid, rollout_gap_sum=float(gap))
+        # float64 on the device: the same sums the host used to do in Python floats.
+        n_valid = mb.loss_mask.sum().double()
+        gap = ((logp.detach() - mb.rollout_logp).abs() * mb.loss_mask).sum().double()
+        stats = {k: torch.as_tensor(v, device=n_valid.device).detach().double() * n_valid
+                 for k, v in m.items() if k not in ("pg_loss", "kl_loss")}
+        stats.update(loss=loss.detach().double(), n_tokens=n_valid, rollout_gap_sum=gap)
         return loss, stats
 
     optimizer.zero_grad()
     outs = run_microbatches(model, micro, loss_fn, ps, forward_only=False)
     info = optimizer.step()
+    sums: dict[str, Tensor] = {}
     for o in outs:
         for k, v in o.items():
-            sums[k] = sums.get(k, 0.0) + v
-    n = max(sums.pop("n_tokens", 0.0), 1.0)
-    metrics = {k: v / n for k, v in sums.items() if k not in ("loss", "rollout_gap_sum")}
-    metrics["loss"] = sums.get("loss", 0.0)
-    metrics["rollout_logp_gap"] = sums.get("rollout_gap_sum", 0.0) / n
+            sums[k] = sums[k] + v if k in sums else v
+    metrics: dict[str, Tensor | float] = {"loss": 0.0, "rollout_logp_gap": 0.0}  # not the last stage
+    if sums:
+        n = sums.pop("n_tokens").clamp(min=1.0)
+        metrics = {k: v / n for k, v in sums.items() if k not in ("loss", "rollout_gap_sum")}
+        metrics["loss"] = sums["loss"]
+        metrics["rollout_logp_gap"] = sums["rollout_gap_sum"] / n
     metrics.update(grad_norm=info["grad_norm"], skipped=float(info["skipped"]))
     return metrics
+
+
+def metrics_to_floats(metrics: dict[str, Tensor | float]) -> dict[str, float]:
+    """Device metrics -> Python floats with one host sync (one stacked copy)."""
+    keys = [k for k, v in metrics.items() if isinstance(v, Tensor)]
+    values = torch.stack([metrics[k].reshape(()).double() for k in keys]).tolist() if keys else []
+    on_device = dict(zip(keys, values))
+    return {k: on_device[k] if k in on_device else float(v) for k, v in metrics.items()}

@@ -1,60 +1,62 @@
-"""Everything the GRPO loop holds, built once: groups, models, optimizer, engine, bridge,
-data, rewards, metrics, checkpoint state. ``train.py`` only sequences the stages.
+"""The ``Trainer``: everything the GRPO loop holds, built once in ``build_trainer``.
+
+Groups, models, optimizer and scheduler, data, the rollout engine and the weight
+bridge, the reward scorer, the metrics sink and the checkpoint position. The
+step's work lives in ``trainer/stages.py``; ``train.py`` only sequences it.
 
 Build order matters on CPU: torch.distributed and megatron's groups first, then the
 vLLM engine (its external_launcher mode joins the already-initialised world).
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 
 from grpo_mega.config import Config, ConfigError, cli_config
-
 from grpo_mega.preflight.validate import validate
 
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
-@contextlib.contextmanager
-def stage(name: str, timings: dict):
-    """Time a named stage (seconds accumulate under ``timings[name]``)."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+    from grpo_mega.bridge import WeightBridge
+    from grpo_mega.data import PromptDataset
+    from grpo_mega.data.tokenizer import HFTokenizer, SentencePieceTokenizer
+    from grpo_mega.distributed.state import ParallelState
+    from grpo_mega.optim.adamw import ParallelAdamW
+    from grpo_mega.rewards import RewardScorer
+    from grpo_mega.rollout import RolloutEngine
+    from grpo_mega.trainer.metrics import MetricsSink
 
 
 @dataclass
 class Trainer:
     cfg: Config
-    ps: Any
-    model: Any
-    ref: Any
-    optimizer: Any
-    scheduler: Any
-    tokenizer: Any
-    dataset: Any
-    eval_set: Any
-    engine: Any
-    bridge: Any
-    scorer: Any
-    sink: Any
+    ps: ParallelState
+    model: GPTModel
+    ref: Optional[GPTModel]
+    """Frozen reference policy for the KL term; None when kl_coef is 0."""
+    optimizer: ParallelAdamW
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    tokenizer: SentencePieceTokenizer | HFTokenizer
+    dataset: PromptDataset
+    eval_set: PromptDataset
+    engine: RolloutEngine
+    bridge: WeightBridge
+    scorer: Optional[RewardScorer]
+    """Only on each replica's leader rank, which scores for the replica."""
+    sink: Optional[MetricsSink]
+    """Only on the logging rank (global rank 0)."""
     ckpt_dir: Path
     step: int = 0
     eval_initial: Optional[float] = None
     eval_last: Optional[float] = None
-    reward_failures: int = 0
-    """Samples whose reward raised or timed out in the last scoring (on_error=zero)."""
     started: float = field(default_factory=time.time)
 
     @property
@@ -73,59 +75,6 @@ class Trainer:
     def say(self, msg: str) -> None:
         if self.ps.rank == 0:
             print(f"[grpo] {msg}", flush=True)
-
-    # ------------------------------------------------------------------ rewards
-    def score(self, prompts, batch) -> list[float]:
-        """Rewards for this replica's samples, scored once on the replica leader."""
-        from grpo_mega.rewards import RewardSample
-
-        scores = None
-        if self.scorer is not None:
-            meta = lambda i: {"response_length": len(batch.response_ids[i]),  # noqa: E731
-                              "finish_reason": batch.finish_reasons[i]}
-            samples = [RewardSample(prompts[batch.prompt_index[i]].text, batch.texts[i],
-                                    prompts[batch.prompt_index[i]].reference,
-                                    {**prompts[batch.prompt_index[i]].metadata, **meta(i)})
-                       for i in range(len(batch))]
-            result = self.scorer.score(samples)
-            scores = result.scores
-            self.reward_failures = len(result.failures)
-        if self.ps.world_size > 1 and self.ps.tp * self.ps.pp > 1:
-            box = [scores]
-            dist.broadcast_object_list(box, src=self.leader_rank, group=self.ps.mp_group)
-            scores = box[0]
-        return [float(s) for s in scores]
-
-    def reward_stats(self, rewards: list[float], batch) -> dict:
-        """Reward / accuracy / length statistics over the global batch (all replicas)."""
-        r = torch.tensor(rewards, dtype=torch.float64)
-        lens = torch.tensor(batch.response_lengths, dtype=torch.float64)
-        truncated = sum(f == "length" for f in batch.finish_reasons)
-        v = torch.tensor([r.sum(), (r * r).sum(), float(len(r)), (r >= 1.0).sum(), lens.sum(), truncated],
-                         dtype=torch.float64)
-        if self.ps.dp > 1:
-            dist.all_reduce(v, group=self.ps.dp_group)
-        n = max(float(v[2]), 1.0)
-        mean = float(v[0]) / n
-        return {"reward_mean": mean, "reward_std": math.sqrt(max(float(v[1]) / n - mean * mean, 0.0)),
-                "accuracy": float(v[3]) / n, "response_len": float(v[4]) / n,
-                "truncated_frac": float(v[5]) / n,
-                "reward_failures": float(self.reward_failures)}
-
-    # ------------------------------------------------------------------ metrics
-    def gather_metrics(self, metrics: dict) -> dict:
-        """Bring the last stage's (DP rank 0, TP rank 0) update metrics to every rank."""
-        if self.ps.world_size == 1:
-            return metrics
-        src = dist.get_global_rank(self.ps.pp_group, self.ps.pp - 1) if self.ps.pp > 1 else self.ps.rank
-        box = [metrics if self.ps.is_last_stage else None]
-        if self.ps.pp > 1:
-            dist.broadcast_object_list(box, src=src, group=self.ps.pp_group)
-        return box[0] or {}
-
-    def log(self, step: int, metrics: dict) -> None:
-        if self.sink is not None:
-            self.sink.log(step, metrics)
 
     def finish(self) -> dict:
         summary = {"eval_accuracy_initial": self.eval_initial, "eval_accuracy_final": self.eval_last,
@@ -152,48 +101,11 @@ class Trainer:
         destroy_parallel()
 
 
-# ---------------------------------------------------------------------- evaluation
-
-def evaluate(t: Trainer, step: int) -> float:
-    """Held-out accuracy: greedy (eval_samples=1) or pass@k at the rollout temperature."""
-    from grpo_mega.rollout import SamplingConfig
-
-    k = t.cfg.data.eval_samples
-    prompts = list(t.eval_set.prompts)
-    prompts = prompts[:len(prompts) - len(prompts) % t.ps.dp]
-    s = SamplingConfig(n=k, temperature=0.0 if k == 1 else t.cfg.rollout.temperature,
-                       max_new_tokens=t.cfg.rollout.max_new_tokens, stop=tuple(t.cfg.rollout.stop),
-                       seed=t.cfg.rollout.seed + 7919)
-    batch = t.engine.generate_for_replica(prompts, s, step=step)
-    rewards = t.score(prompts, batch)
-    solved = {}
-    for i, r in enumerate(rewards):
-        solved[batch.prompt_index[i]] = solved.get(batch.prompt_index[i], False) or r >= 1.0
-    v = torch.tensor([float(sum(solved.values())), float(len(solved))], dtype=torch.float64)
-    if t.ps.dp > 1:
-        dist.all_reduce(v, group=t.ps.dp_group)
-    return float(v[0] / max(float(v[1]), 1.0))
-
-
-# ------------------------------------------------------------------------- checkpoint
-
-def save(t: Trainer) -> None:
-    from grpo_mega.checkpoint import save_checkpoint
-
-    common = {"model": dataclasses.asdict(t.cfg.model), "data": t.dataset.state_dict(),
-              "scheduler": t.scheduler.state_dict(), "eval_initial": t.eval_initial,
-              "eval_last": t.eval_last}
-    path = save_checkpoint(t.ckpt_dir, t.step, t.model, t.optimizer, t.ps, json.loads(json.dumps(common, default=str)),
-                           keep_last=t.cfg.checkpoint.keep_last)
-    t.say(f"checkpoint saved: {path}")
-
-
 # ---------------------------------------------------------------------------- build
 
 def _model_shape_from_hf(cfg: Config) -> None:
     """Fill the model shape from the HF checkpoint's config.json (the engine's truth)."""
-    from grpo_mega.models import hf as mapping
-    from grpo_mega.models.hf_config import hf_config_from_model_config, model_config_from_hf
+    from grpo_mega.models.hf_config import model_config_from_hf
 
     path = Path(cfg.model.hf_checkpoint)
     if not (path / "config.json").is_file():
@@ -283,6 +195,7 @@ def build_trainer(argv=None) -> Trainer:
                           bucket_bytes=int(r.sync_bucket_mb * 2**20))
     if meta is not None:
         bridge.sync()  # the engine started from the HF weights; give it the resumed ones
+    engine.release()  # from here on every phase that uses the engine resumes it first
 
     scorer = None
     if ps.is_replica_leader:

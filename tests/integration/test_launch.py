@@ -3,7 +3,7 @@ node), launch/slurm/grpo.sbatch on a real single-node Slurm (daemons started her
 the Kubeflow PyTorchJob manifest, and grpo_mega.preflight.budget on the scale configs.
 
 Cost on 2 shared cores: about 2.5 minutes (two two-node torchrun launches, a Slurm job
-running the smoke job, and a requeued Slurm job), plus a one-time ``apt-get install slurmctld slurmd slurm-client munge`` when
+running the demo trainer, and a requeued Slurm job), plus a one-time ``apt-get install slurmctld slurmd slurm-client munge`` when
 Slurm is missing (root with network only; otherwise the Slurm test skips, saying why).
 
     OMP_NUM_THREADS=1 python -m pytest -q tests/integration/test_launch.py
@@ -45,9 +45,9 @@ CONFIGS = {  # name: (file, world size, nodes of 8 GPUs)
 COLLECTIVE = "tests/scripts/launch_collective.py"
 
 # The job every real launch below runs at world size 2 (TP=2 over gloo): ENTRY module,
-# CONFIG file ("" = none), config overrides, and a line its rank 0 prints on success.
-# The job the real launchers run: a few steps of the demo config at world 2 (TP=2, vLLM
-# rollouts, KL, a checkpoint). The smoke job is still the entry for the requeue test.
+# CONFIG file ("" = none), config overrides, and a line its rank 0 prints on success:
+# a few steps of the demo config (vLLM rollouts, KL, a checkpoint). The requeue test
+# runs the stand-in tests/scripts/launch_resume.py instead (it is about the launcher).
 DEMO = REPO / "grpo_mega" / "assets" / "demo_v1"
 JOB = ("grpo_mega.train", "grpo_mega/configs/demo.yaml",
        [f"--model.hf_checkpoint={DEMO / 'hf'}", f"--data.train_path={DEMO / 'train.jsonl'}",
@@ -98,7 +98,7 @@ def test_dry_run_prints_exact_multinode_command():
     """Guards the command itself: c10d rendezvous on MASTER_ADDR:MASTER_PORT, node 0 hosts
     the store (a worker node must not), entry and overrides passed through untouched."""
     env = launch_env(NNODES="2", NODE_RANK="1", NPROC_PER_NODE="4", MASTER_ADDR="10.0.0.7",
-                     MASTER_PORT="29555", ENTRY="grpo_mega.testing.smoke", RDZV_ID="job42")
+                     MASTER_PORT="29555", ENTRY="grpo_mega.train", RDZV_ID="job42")
     r = run_script([TORCHRUN_SH, "--dry-run", "--parallel.tp=2", "--rollout.stop=[\"a b\"]"], env)
     assert r.returncode == 0, r.stderr
     line = r.stdout.strip().splitlines()[-1]
@@ -112,14 +112,14 @@ def test_dry_run_prints_exact_multinode_command():
         assert part in joined, (part, line)
     conf = cmd[cmd.index("--rdzv-conf") + 1]
     assert "is_host=0" in conf and "join_timeout=" in conf
-    assert cmd[-4:] == ["-m", "grpo_mega.testing.smoke", "--parallel.tp=2", '--rollout.stop=["a b"]']
+    assert cmd[-4:] == ["-m", "grpo_mega.train", "--parallel.tp=2", '--rollout.stop=["a b"]']
 
     # Node 0 hosts the store; one node uses a free port; a .py ENTRY runs as a script.
     env.update(NODE_RANK="0", ENTRY=COLLECTIVE, CONFIG="launch/configs/llama3_8b.yaml", NPROC_PER_NODE="4")
     cmd = shlex.split(run_script([TORCHRUN_SH, "--dry-run"], env).stdout.splitlines()[-1])[2:]
     assert "is_host=1" in cmd[cmd.index("--rdzv-conf") + 1]
     assert cmd[-3:] == [COLLECTIVE, "--config", "launch/configs/llama3_8b.yaml"]
-    single = launch_env(NPROC_PER_NODE="2", ENTRY="grpo_mega.testing.smoke")
+    single = launch_env(NPROC_PER_NODE="2", ENTRY="grpo_mega.train")
     cmd = shlex.split(run_script([TORCHRUN_SH, "--dry-run", "--parallel.tp=2"], single).stdout.splitlines()[-1])
     assert "127.0.0.1:0" in cmd and "is_host" not in " ".join(cmd)
 
@@ -129,7 +129,7 @@ def test_multinode_without_master_addr_fails_fast_naming_it():
     RDZV_TIMEOUT (15 min) before failing; the script must refuse at once."""
     t0 = time.time()
     r = run_script([TORCHRUN_SH, "--parallel.tp=2"],
-                   launch_env(NNODES="2", NODE_RANK="0", NPROC_PER_NODE="1", ENTRY="grpo_mega.testing.smoke"))
+                   launch_env(NNODES="2", NODE_RANK="0", NPROC_PER_NODE="1", ENTRY="grpo_mega.train"))
     assert r.returncode == 2
     assert "MASTER_ADDR is not set" in r.stderr and "NNODES=2" in r.stderr
     assert "[torchrun.sh] node" not in r.stderr  # torchrun never started
@@ -143,7 +143,7 @@ def test_world_size_not_matching_layout_fails_fast_naming_variables():
     assert r.returncode == 2
     assert "NNODES x NPROC_PER_NODE = 1 x 4 = world size 4" in r.stderr
     assert "parallel.dp=2" in r.stderr and "--parallel.dp" in r.stderr
-    r = run_script([TORCHRUN_SH, "--parallel.tp=2"], launch_env(NPROC_PER_NODE="1", ENTRY="grpo_mega.testing.smoke"))
+    r = run_script([TORCHRUN_SH, "--parallel.tp=2"], launch_env(NPROC_PER_NODE="1", ENTRY="grpo_mega.train"))
     assert r.returncode == 2 and "world size 1" in r.stderr and "parallel.tp" in r.stderr
     r = run_script([TORCHRUN_SH], launch_env(NNODES="2", NODE_RANK="2", MASTER_ADDR="h"))
     assert r.returncode == 2 and "NODE_RANK=2" in r.stderr

@@ -113,7 +113,7 @@ def _update_rank(rank, world):
     metrics and the reduced gradients must agree."""
     import copy
     from grpo_mega.config import AlgorithmConfig, ModelConfig, OptimizerConfig
-    from grpo_mega.trainer.batch import Sample, compute_logprobs, make_micro_batches, update_policy
+    from grpo_mega.trainer.batch import TrainingBatch, compute_logprobs, metrics_to_floats, update_policy
     from grpo_mega.models import build_model
     from grpo_mega.optim.adamw import ParallelAdamW
     from grpo_mega.distributed.state import init_parallel
@@ -129,23 +129,26 @@ def _update_rank(rank, world):
     m = ModelConfig(vocab_size=50, hidden_size=64, num_layers=2, num_attention_heads=4,
                     num_query_groups=2, ffn_hidden_size=96, make_vocab_size_divisible_by=4)
     g = torch.Generator().manual_seed(1)
-    samples = []
+    prompts, resps, rlps = [], [], []
     for i in range(4):
         resp = torch.randint(0, 50, (3 + i,), generator=g).tolist()
-        samples.append(Sample(torch.randint(0, 50, (4,), generator=g).tolist(), resp,
-                              (-torch.rand(len(resp), generator=g)).tolist(), advantage=(-1.0) ** i))
+        prompts.append(torch.randint(0, 50, (4,), generator=g).tolist())
+        resps.append(resp)
+        rlps.append((-torch.rand(len(resp), generator=g)).tolist())
     model = build_model(m, ps)
     start = copy.deepcopy(model.state_dict())
     runs = {}
     for fused in (False, True):
         model.load_state_dict(start)
         opt = Recording(model, OptimizerConfig(lr=1e-3), ps)
-        micro = make_micro_batches(samples, 2, 0)
+        batch = TrainingBatch.pack(prompts, resps, rlps, [(-1.0) ** i for i in range(4)], pad_id=0)
+        batch.old_logp = batch.empty_logp()
+        micro = batch.split(2)
         kw = dict(vocab_size=50, temperature=0.8, fused=fused)
         compute_logprobs(model, micro, ps, key="old_logp", **kw)
-        metrics = update_policy(model, opt, micro, ps, AlgorithmConfig(kl_coef=0.0), max_len=8,
-                                reuse_current_as_old=False, **kw)
-        runs[fused] = (torch.cat([mb["old_logp"][mb["mask"]] for mb in micro]), metrics, opt.grads)
+        metrics = metrics_to_floats(update_policy(model, opt, micro, ps, AlgorithmConfig(kl_coef=0.0),
+                                                  max_len=8, reuse_current_as_old=False, **kw))
+        runs[fused] = (batch.old_logp[batch.loss_mask], metrics, opt.grads)
     (lp0, m0, g0), (lp1, m1, g1) = runs[False], runs[True]
     scale = max(float(x.abs().max()) for x in g0)
     return {"old_logp": float((lp0 - lp1).abs().max()),

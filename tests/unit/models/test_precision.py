@@ -108,7 +108,7 @@ def test_fp8_fields_reach_megatron_and_reference_stays_bf16():
 def test_local_spec_without_te_and_fp8_micro_batches_pad_to_16():
     """Guards against selecting TE layers on a machine without TE, and against FP8 GEMMs
     failing on token counts that are not a multiple of 16."""
-    from grpo_mega.trainer.batch import Sample, make_micro_batches
+    from grpo_mega.trainer.batch import TrainingBatch
     from grpo_mega.models import build_model, te_available
     from grpo_mega.distributed import cpu_compat
 
@@ -134,13 +134,13 @@ def test_local_spec_without_te_and_fp8_micro_batches_pad_to_16():
         mpu.destroy_model_parallel()
         dist.destroy_process_group()
 
-    samples = [Sample([1, 2, 3], [4, 5], [-0.5, -0.25]), Sample([1], [6, 7, 8, 9], [-1.0] * 4)]
+    rows = ([[1, 2, 3], [1]], [[4, 5], [6, 7, 8, 9]], [[-0.5, -0.25], [-1.0] * 4], [0.0, 0.0])
     fp8 = load_config(None, ["--model.fp8=hybrid"]).model
-    (mb,) = make_micro_batches(samples, 2, 0, seq_multiple(fp8))
-    (plain,) = make_micro_batches(samples, 2, 0, seq_multiple(cfg))
-    assert mb["tokens"].shape == (2, 16) and plain["tokens"].shape == (2, 5)
-    assert torch.equal(mb["mask"][:, :4], plain["mask"]) and not mb["mask"][:, 4:].any()
-    assert torch.equal(mb["rollout_logp"][:, :4], plain["rollout_logp"])
+    (mb,) = TrainingBatch.pack(*rows, pad_id=0, pad_to_multiple=seq_multiple(fp8)).split(2)
+    (plain,) = TrainingBatch.pack(*rows, pad_id=0, pad_to_multiple=seq_multiple(cfg)).split(2)
+    assert mb.tokens.shape == (2, 16) and plain.tokens.shape == (2, 5)
+    assert torch.equal(mb.loss_mask[:, :4], plain.loss_mask) and not mb.loss_mask[:, 4:].any()
+    assert torch.equal(mb.rollout_logp[:, :4], plain.rollout_logp)
 
 
 def test_bf16_training_keeps_fp32_master_weights_and_main_grads():
