@@ -162,6 +162,10 @@ class AlgorithmConfig:
     """Upper PPO clip epsilon (clip-higher when > clip_low)."""
     dual_clip: Optional[float] = None
     """Dual-clip constant c (> 1) for negative advantages; null disables."""
+    policy_loss: str = "grpo"
+    """Surrogate: ``grpo`` (PPO ratio per token, clipped per token) or ``gspo`` (GSPO: one
+    length-normalised ratio per response, clipped per response; pair it with
+    ``loss_agg: seq-mean-token-mean`` and clip epsilons of order 1e-3, as in the paper)."""
     loss_agg: str = "token-mean"
     """token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
     tis_cap: Optional[float] = None

@@ -12,12 +12,13 @@ argument, before any collective can hang.
 * ``advantages``: ``group_advantages`` (GRPO z-score, Dr. GRPO, RLOO) and
   ``process_advantages`` (DeepSeekMath process supervision);
 * ``kl``: ``kl_penalty`` (k1/k2/k3/abs sample estimators);
-* ``loss``: ``policy_loss`` (clipped surrogate + KL + TIS), ``aggregate`` (loss
+* ``loss``: ``policy_loss`` (clipped surrogate + KL + TIS; GRPO's per-token or
+  GSPO's per-sequence ratio), ``aggregate`` (loss
   reduction modes) and ``global_batch_counts`` (the global normalisation
   contract for micro-batches and data parallelism is documented there).
 
 Variants (advantage estimators, baselines and normalisations, KL estimators,
-aggregation modes) are registered by decorator in ``registry.Registry``
+aggregation modes, policy-loss ratios) are registered by decorator in ``registry.Registry``
 instances; config validation reads their ``.names()``.
 """
 from grpo_mega.algorithms.advantages import (
@@ -28,7 +29,7 @@ from grpo_mega.algorithms.advantages import (
     process_advantages,
 )
 from grpo_mega.algorithms.kl import KL_ALIASES, KL_ESTIMATORS, kl_penalty
-from grpo_mega.algorithms.loss import AGGREGATIONS, aggregate, global_batch_counts, policy_loss
+from grpo_mega.algorithms.loss import AGGREGATIONS, POLICY_LOSSES, aggregate, global_batch_counts, policy_loss
 from grpo_mega.algorithms.registry import Registry
 from grpo_mega.algorithms.vocab_parallel import (
     vocab_parallel_entropy,
@@ -51,6 +52,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "KL_ALIASES",
     "AGGREGATIONS",
+    "POLICY_LOSSES",
     "BASELINES",
     "NORMS",
 ]

@@ -1,6 +1,9 @@
 """The GRPO loss: clipped surrogate + KL + truncated IS, reduced by a registered aggregation.
 
 * ``policy_loss``: the objective to minimise for one micro-batch.
+* ``POLICY_LOSSES``: the registered surrogates (``algorithm.policy_loss``):
+  ``grpo`` (per-token PPO ratio, clipped per token) and ``gspo`` (GSPO: one
+  length-normalised ratio per sequence, clipped per sequence).
 * ``aggregate``: per-token values [B, T] -> this micro-batch's share of the
   loss, in one of the modes registered in ``AGGREGATIONS`` (``algorithm.loss_agg``
   in config is validated against it).
@@ -43,7 +46,8 @@ from grpo_mega.algorithms._checks import Count, Tensor, _all_reduce, _as_bool_ma
 from grpo_mega.algorithms.kl import _kl_estimator
 from grpo_mega.algorithms.registry import Registry
 
-__all__ = ["policy_loss", "aggregate", "global_batch_counts", "AGGREGATIONS", "Aggregation"]
+__all__ = ["policy_loss", "aggregate", "global_batch_counts", "AGGREGATIONS", "Aggregation",
+           "POLICY_LOSSES"]
 
 
 class Aggregation(NamedTuple):
@@ -193,16 +197,44 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (_masked(x.float(), mask).sum() / mask.sum().clamp(min=1)).detach()
 
 
+POLICY_LOSSES: Registry[Callable[[Tensor, Tensor], Tensor]] = Registry("policy_loss")
+"""Surrogate variants: ``(log_ratio [B, T], mask [B, T] bool) -> ratio [B, T]``.
+
+``log_ratio`` is logp - old_logp, already zero at padding. The returned ratio is
+what the clip sees at each token: its value decides clipping, its gradient is
+the policy gradient's. The clip, dual clip, TIS and aggregation then act on it
+the same way for every variant."""
+
+
+@POLICY_LOSSES.register("grpo", "ppo")
+def _ratio_per_token(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    return log_ratio.exp()
+
+
+@POLICY_LOSSES.register("gspo")
+def _ratio_per_sequence(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    # GSPO (Zheng et al. 2025): s_i = exp(mean over the response of log_ratio),
+    # so one sequence is clipped as a whole. Written per token as GSPO-token:
+    # value s_i at every token, gradient s_i * grad(logp_t), i.e.
+    # sg[s_i] * exp(logp_t - sg[logp_t]); with a per-sequence advantage and
+    # seq-mean-token-mean aggregation this is GSPO's gradient exactly.
+    lengths = mask.sum(dim=-1, keepdim=True).clamp(min=1)
+    seq = (log_ratio.sum(dim=-1, keepdim=True) / lengths).detach()
+    return torch.where(mask, (seq + log_ratio - log_ratio.detach()).exp(), torch.ones_like(log_ratio))
+
+
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: Optional[float] = None,
-                agg: str = "token-mean", ref_logp: Optional[Tensor] = None, kl_coef: float = 0.0,
+                agg: str = "token-mean", variant: str = "grpo", ref_logp: Optional[Tensor] = None, kl_coef: float = 0.0,
                 kl_kind: str = "k3", rollout_logp: Optional[Tensor] = None,
                 tis_cap: Optional[float] = None, entropy: Optional[Tensor] = None,
                 max_len: Optional[int] = None, global_tokens: Optional[Count] = None,
                 global_seqs: Optional[Count] = None) -> Tuple[Tensor, dict]:
     """GRPO objective to MINIMISE for one micro-batch.
 
-    Per valid token, with r = exp(logp - old_logp) and advantage A:
+    Per valid token, with advantage A and ratio r = exp(logp - old_logp)
+    (``variant="grpo"``) or GSPO's per-sequence r_i = exp(mean_t(logp - old_logp))
+    (``variant="gspo"``; see ``POLICY_LOSSES``):
         pg  = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))     (clip-higher
               when clip_high > clip_low, DAPO)
         pg  = min(pg, -A dual_clip)  where A < 0   (dual-clip: bounds the loss of
@@ -226,6 +258,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         rollout_logp: [B, T] log-probs reported by the rollout engine.
         entropy: [B, T] per-token entropy, logged only (no bonus in the loss).
         agg, max_len, global_tokens, global_seqs: see ``aggregate``.
+        variant: a ``POLICY_LOSSES`` name: how the ratio is formed.
 
     Returns:
         (loss, metrics). loss: 0-d tensor, this micro-batch's share of the
@@ -261,6 +294,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         raise ValueError(f"ref_logp is required when kl_coef={kl_coef!r} is nonzero")
     kl_fn = _kl_estimator(kl_kind, "kl_kind")  # fail on a bad name even when the KL term is off
     AGGREGATIONS.get(agg, "agg")
+    ratio_fn = POLICY_LOSSES.get(variant, "variant")
 
     mask = _as_bool_mask(mask)
     adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logp)
@@ -268,7 +302,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     # Zero the log-ratio at padding BEFORE exp: garbage there must not become
     # inf, whose 0-weighted gradient would still be NaN.
     log_ratio = torch.where(mask, logp - old_logp.detach(), torch.zeros_like(logp))
-    ratio = log_ratio.exp()
+    ratio = ratio_fn(log_ratio, mask)
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
     pg = torch.maximum(pg_unclipped, pg_clipped)

@@ -45,6 +45,7 @@ def registry_choices() -> dict:
         ("algorithm", "baseline"): A.BASELINES.names(),
         ("algorithm", "kl_kind"): A.KL_ESTIMATORS.names(),
         ("algorithm", "loss_agg"): A.AGGREGATIONS.names(),
+        ("algorithm", "policy_loss"): A.POLICY_LOSSES.names(),
     }
 
 

@@ -159,7 +159,7 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
         loss, m = A.policy_loss(
             logp, old, mb.advantages, mb.loss_mask,
             clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
-            agg=algo.loss_agg, ref_logp=mb.ref_logp if algo.kl_coef > 0 else None,
+            agg=algo.loss_agg, variant=algo.policy_loss, ref_logp=mb.ref_logp if algo.kl_coef > 0 else None,
             kl_coef=algo.kl_coef, kl_kind=algo.kl_kind,
             rollout_logp=mb.rollout_logp if algo.tis_cap else None,
             tis_cap=algo.tis_cap, entropy=entropy, max_len=max_len,

@@ -82,6 +82,7 @@ def test_defaults_validate_and_help_lists_fields(capsys):
     ("--algorithm.norm=zscore", "algorithm.norm", "zscore"),
     ("--algorithm.baseline=median", "algorithm.baseline", "median"),
     ("--algorithm.advantage=gae", "algorithm.advantage", "gae"),
+    ("--algorithm.policy_loss=dapo", "algorithm.policy_loss", "dapo"),
 ])
 def test_unimplemented_variant_names_fail_at_load_listing_the_registry(override, field, value):
     """Guards against config restating the registries by hand: kl_kind=full once passed
@@ -90,7 +91,8 @@ def test_unimplemented_variant_names_fail_at_load_listing_the_registry(override,
 
     known = {"algorithm.kl_kind": A.KL_ESTIMATORS, "algorithm.loss_agg": A.AGGREGATIONS,
              "algorithm.norm": A.NORMS, "algorithm.baseline": A.BASELINES,
-             "algorithm.advantage": A.ADVANTAGE_ESTIMATORS}[field]
+             "algorithm.advantage": A.ADVANTAGE_ESTIMATORS,
+             "algorithm.policy_loss": A.POLICY_LOSSES}[field]
     cfg = load_config(None, [override])
     with pytest.raises(ConfigError) as err:
         validate(cfg, 1, check_hardware=False)

@@ -107,6 +107,35 @@ def test_tis_cap_truncates_importance_weights():
     assert m["tis_clipfrac"].item() == pytest.approx(0.5)
 
 
+def test_gspo_clips_whole_sequences_hand_worked():
+    """Guards GSPO's sequence-level ratio: s_i = exp(mean over the response of
+    log(pi/pi_old)), one clip decision per sequence, gradient s_i * grad(logp_t)
+    spread over the sequence. Catches a ratio not normalised by length (1.43
+    would be clipped), a ratio clipped per token (1.3 would be), a gradient
+    through the detached sequence mean (doubles it), and padding counted in the
+    mean."""
+    ratios = torch.tensor([[1.1, 1.3, 7.0], [0.5, 0.8, 0.9]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    logp = ratios.log().requires_grad_()
+    old = torch.zeros_like(ratios)
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    loss, m = policy_loss(logp, old, adv, mask, variant="gspo", agg="seq-mean-token-mean",
+                          clip_low=0.2, clip_high=0.2)
+    loss.backward()
+    s0, s1 = math.sqrt(1.1 * 1.3), (0.5 * 0.8 * 0.9) ** (1 / 3)   # 1.196 (inside), 0.711
+    assert loss.item() == pytest.approx((-s0 + 0.8) / 2, rel=1e-12)  # seq 1 clipped at 1 - 0.2
+    # d/dlogp_t of (1/2) * (-s0) = -s0 / 2 * (1/2): each of seq 0's two tokens moves
+    # s0 by s0/2; seq 1 is clipped (A<0, s1 < 0.8): no gradient; padding none.
+    want = torch.tensor([[-s0 / 4, -s0 / 4, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(logp.grad, want, rtol=1e-12, atol=1e-15)
+    assert m["ratio_mean"].item() == pytest.approx((2 * s0 + 3 * s1) / 5, rel=1e-6)
+    assert m["clipfrac_low"].item() == pytest.approx(3 / 5)
+    # The per-token variant on the same batch clips token 1.3 and differs.
+    logp2 = ratios.log().requires_grad_()
+    policy_loss(logp2, old, adv, mask, variant="grpo", agg="seq-mean-token-mean")[0].backward()
+    assert logp2.grad[0, 1].item() == 0.0
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_zero_length_response_contributes_nothing(mode):
     """Guards against NaN from 0/0 in per-sequence means and from inf/NaN

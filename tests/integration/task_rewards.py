@@ -1,0 +1,8 @@
+"""Rewards for the learning-direction run (imported by module:function in the reward workers)."""
+
+
+def starts_with_nine(prompt, completion, reference, metadata=None, **_):
+    """1.0 when the completion's first character is '9'. The demo model rarely writes it
+    (only sums 90-99 start with 9), so a policy that learns the right way moves this rate
+    far above its start within a few steps, and one that learns backwards drives it to 0."""
+    return 1.0 if completion.strip().startswith("9") else 0.0
