@@ -21,8 +21,9 @@ from pathlib import Path
 
 from grpo_mega.demo.assets import ensure_demo_assets, say
 
-REPO = Path(__file__).resolve().parent.parent
-CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"
+PACKAGE = Path(__file__).resolve().parent.parent  # grpo_mega/
+REPO = PACKAGE.parent  # tools/ lives at the top of the checkout
+CONFIG = PACKAGE / "configs" / "demo.yaml"
 
 
 def main(argv: list[str]) -> int:

@@ -126,7 +126,7 @@ def _warm_start(hf_dir: Path, tok, train: list[dict], evals: list[dict], seed: i
     return acc
 
 
-PACKAGED = Path(__file__).parent / "assets" / f"demo_{VERSION}"
+PACKAGED = Path(__file__).resolve().parent.parent / "assets" / f"demo_{VERSION}"
 
 
 def ensure_demo_assets(cache_dir: str | os.PathLike = ".cache/demo", rebuild: bool = False) -> Path:
