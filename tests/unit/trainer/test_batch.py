@@ -156,7 +156,8 @@ def _update_rank(rank, world):
     n, s = b.tokens.shape
     logits = model(b.tokens, torch.arange(s).expand(n, s), causal_mask(s, "cpu"))
     logp_all = torch.log_softmax(logits[:, :-1, :50].float() / temp, dim=-1)
-    logp = logp_all.gather(-1, b.targets.unsqueeze(-1)).squeeze(-1)
+    # the next token, taken from the tokens here rather than the batch's own targets
+    logp = logp_all.gather(-1, b.tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1).detach()
     loss, m = A.policy_loss(logp, logp.detach(), b.advantages, b.loss_mask, clip_low=0.2, clip_high=0.28,
                             agg=algo.loss_agg, ref_logp=b.ref_logp, kl_coef=0.1, kl_kind="k3",
