@@ -201,9 +201,10 @@ def test_bad_reward_name_stops_the_cli_before_any_engine_starts():
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "GRPO_TRACEBACK": "0", "PYTHONPATH": str(root)}
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "grpo_mega.train",
-                           f"--model.hf_checkpoint={root / 'grpo_mega/assets/demo_v1/hf'}",
-                           "--reward.functions=[maths]"], cwd=root, env=env, capture_output=True,
+    assets = root / "grpo_mega/assets/demo_v1"
+    proc = subprocess.run([sys.executable, "-m", "grpo_mega.train", f"--model.hf_checkpoint={assets / 'hf'}",
+                           f"--data.train_path={assets / 'train.jsonl'}",
+                           f"--data.eval_path={assets / 'eval.jsonl'}", "--reward.functions=[maths]"], cwd=root, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert "reward.functions: 'maths' is not a registered reward" in proc.stderr, proc.stderr
