@@ -146,6 +146,18 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
         raise ConfigError(f"optimizer.lr={o.lr} must be > 0 (--optimizer.lr)")
     if r.temperature < 0:
         raise ConfigError(f"rollout.temperature={r.temperature} must be >= 0")
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1] (--rollout.top_p)")
+    truncated = [f"rollout.{k}={v}" for k, v, on in (("top_p", r.top_p, r.top_p < 1),
+                                                     ("top_k", r.top_k, r.top_k > 0)) if on]
+    if truncated and a.tis_cap is not None:
+        # vLLM's processed log-probs are of the truncated, renormalised distribution; the
+        # trainer's are of softmax(logits / T) over the whole vocabulary. The TIS weight
+        # exp(old - rollout) would then be biased upwards on every kept token.
+        raise ConfigError(f"algorithm.tis_cap={a.tis_cap} compares the trainer's log-probs with the "
+                          f"engine's, which {' and '.join(truncated)} truncates before taking them; "
+                          f"use --algorithm.tis_cap=null, or untruncated sampling "
+                          f"(--rollout.top_p=1 --rollout.top_k=-1)")
     if r.max_model_len < d.max_prompt_tokens + r.max_new_tokens:
         raise ConfigError(f"rollout.max_model_len={r.max_model_len} < data.max_prompt_tokens + "
                           f"rollout.max_new_tokens = {d.max_prompt_tokens + r.max_new_tokens} "

@@ -211,3 +211,25 @@ def test_bad_reward_name_stops_the_cli_before_any_engine_starts():
     assert "--reward.functions" in proc.stderr and "'math'" in proc.stderr
     assert "world " not in proc.stdout and "vLLM" not in proc.stdout, proc.stdout
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    (["--rollout.top_p=0.9"], "rollout.top_p=0.9"),
+    (["--rollout.top_k=20"], "rollout.top_k=20"),
+])
+def test_tis_with_truncated_sampling_is_refused_naming_both_flags(overrides, flag):
+    """Guards against a biased TIS weight: with top-p/top-k the engine's log-probs are of
+    the truncated distribution, the trainer's of the full softmax(logits / T), so
+    exp(old - rollout) is off on every token. Off-policy updates (ppo_epochs > 1,
+    several mini-batches) compare the trainer with itself and stay allowed."""
+    cfg = load_config(None, overrides + ["--algorithm.tis_cap=2.0"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1, check_hardware=False)
+    msg = str(err.value)
+    assert flag in msg and "algorithm.tis_cap=2.0" in msg and "--algorithm.tis_cap=null" in msg, msg
+    validate(load_config(None, overrides + ["--algorithm.ppo_epochs=2", "--data.mini_batch_size=32"]), 1,
+             check_hardware=False)
+    for untruncated in (["--rollout.top_k=0"], ["--rollout.top_p=1.0", "--rollout.temperature=0.7"]):
+        validate(load_config(None, untruncated + ["--algorithm.tis_cap=2.0"]), 1, check_hardware=False)
+    with pytest.raises(ConfigError, match=r"rollout.top_p=0.0 must be in \(0, 1\]"):
+        validate(load_config(None, ["--rollout.top_p=0"]), 1, check_hardware=False)
