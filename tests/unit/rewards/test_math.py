@@ -58,6 +58,9 @@ MATH_VERIFY_TABLE = [
     (r"so $x = 3$, \boxed{x=3}", "3", 1.0, 0.0),  # math-verify reads the assignment's value
     (r"\boxed{2\pi}", r"2 \pi", 1.0, 1.0),
     (r"\boxed{(1,2)}", "(2,1)", 0.0, 0.0),  # an ordered pair is not its reverse
+    # gold first: an interval answers an inequality question, not the reverse (math-verify's rule)
+    (r"\boxed{(1,2)}", "1<x<2", 1.0, 0.0),
+    (r"\boxed{1<x<2}", "(1,2)", 0.0, 0.0),
     (r"\boxed{\text{(B)}}", "(A)", 0.0, 0.0),
     (r"\boxed{x+2}", "x+1", 0.0, 0.0),
     (r"\boxed{y+1}", "x+1", 0.0, 0.0),  # variables matter (strict)
