@@ -27,6 +27,9 @@ setup(
         "psutil",  # megatron dist_checkpointing raises without it
         "numpy",
         "pytest",
+        # The math reward's symbolic checker (sympy + a LaTeX parser). 0.8 and 0.9 share the
+        # parse/verify API used here (parsing_timeout, timeout_seconds); tested with 0.9.0.
+        "math-verify>=0.8,<0.10",
     ],
     extras_require={
         # After installing this extra, uninstall torchvision torchaudio

@@ -138,6 +138,11 @@ class RewardConfig:
     """``stop`` raises on a failing reward; ``zero`` scores the sample 0 and counts it."""
     num_workers: int = 1
     """Scoring processes (0 scores inline)."""
+    kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Keyword arguments per reward function, keyed by its name in ``functions``, e.g.
+    ``{dapo_overlong: {max_length: 512, buffer: 128}}``; passed to every call. Checked
+    against the function's signature at start-up. On the CLI a YAML flow mapping that
+    replaces the whole field; quote ``module:function`` keys."""
 
 
 @dataclass
@@ -324,6 +329,17 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp) or (Any, Any)
+        if isinstance(value, str):
+            try:
+                value = yaml.safe_load(value) if value.strip() else {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{where}: not a YAML mapping ({e})") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return {_coerce(k, key_tp, f"{where} key {k!r}"): _coerce(v, val_tp, f"{where}[{k!r}]")
+                for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value

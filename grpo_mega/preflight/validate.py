@@ -19,7 +19,7 @@ from grpo_mega.models.precision import check_fp8_here
 # Enumerations that belong to config itself. Names that select a variant (advantage
 # estimator, baseline and normalisation, KL estimator, loss aggregation, FP8 format and
 # recipe, reward function) are checked against the registries that implement them: see
-# registry_choices() and _check_reward_names().
+# registry_choices() and _check_rewards().
 CHOICES = {
     ("model", "family"): ("llama", "qwen2", "qwen3"),
     ("model", "dtype"): ("float32", "bfloat16"),
@@ -49,14 +49,47 @@ def registry_choices() -> dict:
     }
 
 
-def _check_reward_names(cfg: Config) -> None:
-    from grpo_mega.rewards import REWARD_REGISTRY
+def reward_specs(cfg: Config) -> list:
+    """The scorer's terms (``RewardSpec``), one per ``reward.functions`` entry, with its
+    weight and ``reward.kwargs``: what validation checks is what the trainer scores with."""
+    from grpo_mega.rewards import RewardSpec
 
-    for name in cfg.reward.functions:
-        if ":" not in name and name not in REWARD_REGISTRY:
-            raise ConfigError(f"reward.functions: {name!r} is not a registered reward "
-                              f"{tuple(sorted(REWARD_REGISTRY))} nor a module:function path "
-                              f"(--reward.functions)")
+    rc = cfg.reward
+    return [RewardSpec(name, rc.weights[i] if i < len(rc.weights) else 1.0, dict(rc.kwargs.get(name, {})))
+            for i, name in enumerate(rc.functions)]
+
+
+def _check_rewards(cfg: Config) -> None:
+    """Names resolve (registered or an importable ``module:function``), weights and kwargs
+    belong to a listed function, and each function accepts its kwargs."""
+    from grpo_mega.rewards import REWARD_REGISTRY, check_reward_kwargs, resolve_reward
+
+    rc = cfg.reward
+    known = tuple(sorted(REWARD_REGISTRY))
+    if not rc.functions:
+        raise ConfigError(f"reward.functions is empty; name at least one of {known} (--reward.functions)")
+    if len(set(rc.functions)) != len(rc.functions):
+        raise ConfigError(f"reward.functions={rc.functions} names a function twice (--reward.functions)")
+    if len(rc.weights) > len(rc.functions):
+        raise ConfigError(f"reward.weights has {len(rc.weights)} entries for {len(rc.functions)} "
+                          f"reward.functions (--reward.weights)")
+    fns = {}
+    for name in rc.functions:
+        try:
+            fns[name] = resolve_reward(name)
+        except (KeyError, ImportError, AttributeError) as e:
+            detail = "" if isinstance(e, KeyError) else f" ({e})"
+            raise ConfigError(f"reward.functions: {name!r} is not a registered reward {known} nor an "
+                              f"importable module:function path{detail} (--reward.functions)") from None
+    for name, kwargs in rc.kwargs.items():
+        if name not in fns:
+            raise ConfigError(f"reward.kwargs has arguments for {name!r}, which reward.functions="
+                              f"{rc.functions} does not list (--reward.kwargs or --reward.functions)")
+    for name, fn in fns.items():
+        problem = check_reward_kwargs(fn, rc.kwargs.get(name, {}))
+        if problem:
+            raise ConfigError(f"reward.kwargs[{name!r}]={rc.kwargs.get(name, {})}: reward {name!r} cannot "
+                              f"be called with them: {problem} (--reward.kwargs)")
 
 
 def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: bool = True) -> Config:
@@ -94,7 +127,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
                           f"model.num_attention_heads={m.num_attention_heads}; set --model.head_dim")
     if m.ffn_hidden_size % p.tp:
         raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}")
-    _check_reward_names(cfg)
+    _check_rewards(cfg)
     if a.advantage == "process":
         # algorithms.process_advantages implements the math; the reward pipeline only
         # produces one score per sample, so there are no step rewards to feed it yet.
@@ -113,6 +146,18 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
         raise ConfigError(f"optimizer.lr={o.lr} must be > 0 (--optimizer.lr)")
     if r.temperature < 0:
         raise ConfigError(f"rollout.temperature={r.temperature} must be >= 0")
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1] (--rollout.top_p)")
+    truncated = [f"rollout.{k}={v}" for k, v, on in (("top_p", r.top_p, r.top_p < 1),
+                                                     ("top_k", r.top_k, r.top_k > 0)) if on]
+    if truncated and a.tis_cap is not None:
+        # vLLM's processed log-probs are of the truncated, renormalised distribution; the
+        # trainer's are of softmax(logits / T) over the whole vocabulary. The TIS weight
+        # exp(old - rollout) would then be biased upwards on every kept token.
+        raise ConfigError(f"algorithm.tis_cap={a.tis_cap} compares the trainer's log-probs with the "
+                          f"engine's, which {' and '.join(truncated)} truncates before taking them; "
+                          f"use --algorithm.tis_cap=null, or untruncated sampling "
+                          f"(--rollout.top_p=1 --rollout.top_k=-1)")
     if r.max_model_len < d.max_prompt_tokens + r.max_new_tokens:
         raise ConfigError(f"rollout.max_model_len={r.max_model_len} < data.max_prompt_tokens + "
                           f"rollout.max_new_tokens = {d.max_prompt_tokens + r.max_new_tokens} "

@@ -3,7 +3,10 @@
 ``extract_answer`` finds a completion's final answer (``\\boxed{}``, then
 ``####``, then the last number), ``answers_equivalent`` compares it with the
 reference exactly as numbers (fractions, thousands separators, percent) or as
-normalised text. The built-ins, registered by decorator: ``math`` (correctness),
+normalised text. What that fast, exact check does not settle (``1+x`` vs ``x+1``,
+``\\frac{\\sqrt2}{2}`` vs ``\\frac{1}{\\sqrt2}``, sets, intervals, ``x=3`` vs ``3``)
+goes to ``math-verify`` (the checker TRL and open-r1 use; sympy underneath).
+The built-ins, registered by decorator: ``math`` (correctness),
 ``format`` (an explicit answer or a pattern), ``dapo_overlong`` and ``length``
 (length penalties; they read ``metadata["response_length"]`` and
 ``metadata["finish_reason"]``, which the rollout adds).
@@ -12,13 +15,14 @@ from __future__ import annotations
 
 import math
 import re
+import threading
 from fractions import Fraction
 from typing import Any, Mapping
 
 from grpo_mega.rewards.registry import register_reward
 
 __all__ = [
-    "extract_answer", "parse_number", "answers_equivalent",
+    "extract_answer", "parse_number", "answers_equivalent", "math_verify_equivalent",
     "math_reward", "format_reward", "dapo_overlong_reward", "length_reward",
 ]
 
@@ -133,18 +137,59 @@ def _reference_answer(reference: str) -> str:
     return extract_answer(reference, allow_last_number=False) or reference.strip()
 
 
+def _as_latex(ans: str) -> str:
+    return "$" + ans.replace("$", "").strip() + "$"
+
+
+def math_verify_equivalent(pred: str, ref: str, timeout_s: int = 2) -> bool:
+    """``math-verify``'s judgement of ``pred`` against ``ref`` (both extracted answers,
+    parsed as LaTeX). Its own timeout is ``signal.alarm``, which only the main thread may
+    set: the scoring workers call this there; from any other thread it runs without one
+    (the scorer's per-sample deadline is then the only bound). A parse or comparison
+    that overruns ``timeout_s`` counts as not equivalent."""
+    try:
+        from math_verify import parse, verify
+    except ImportError as e:  # an install without the dependency
+        raise ImportError("the math reward needs math-verify (pip install 'math-verify>=0.8,<0.10'), or "
+                          "reward.kwargs {math: {use_math_verify: false}} for the exact grader only") from e
+    t = max(1, math.ceil(timeout_s)) if threading.current_thread() is threading.main_thread() else None
+    gold = parse(_as_latex(ref), parsing_timeout=t)
+    answer = parse(_as_latex(pred), parsing_timeout=t)
+    return bool(gold) and bool(answer) and bool(verify(gold, answer, timeout_seconds=t))
+
+
 # Built-in reward functions
 
 @register_reward("math")
 def math_reward(prompt: str, completion: str, reference: str | None, metadata: Mapping[str, Any],
-                correct: float = 1.0, incorrect: float = 0.0, allow_last_number: bool = True) -> float:
-    """``correct`` if the completion's final answer equals the reference."""
+                correct: float = 1.0, incorrect: float = 0.0, allow_last_number: bool = True,
+                use_math_verify: bool = True, verify_timeout_s: int = 2) -> float:
+    """``correct`` if the completion's final answer equals the reference.
+
+    The exact check (``answers_equivalent``) runs first and settles any pair of plain
+    numbers; other non-matching pairs go to ``math-verify`` unless ``use_math_verify``
+    is false. ``verify_timeout_s`` bounds each of its parses and comparisons."""
     if reference is None:
         raise ValueError("math reward needs a reference answer (set the dataset's reference field)")
     pred = extract_answer(completion, allow_last_number=allow_last_number)
     if pred is None:
         return incorrect
-    return correct if answers_equivalent(pred, _reference_answer(str(reference))) else incorrect
+    ref = _reference_answer(str(reference))
+    if answers_equivalent(pred, ref):
+        return correct
+    if not use_math_verify or (parse_number(pred) is not None and parse_number(ref) is not None):
+        return incorrect  # two numbers that differ: sympy would only agree, slowly
+    return correct if math_verify_equivalent(pred, ref, verify_timeout_s) else incorrect
+
+
+def _warm_up_math(use_math_verify: bool = True, **_: Any) -> None:
+    """Import sympy/antlr and build the LaTeX parser once per scoring worker (about a
+    second), so the first sample's timeout is not spent on it."""
+    if use_math_verify:
+        math_verify_equivalent("x+1", "1+x")
+
+
+math_reward.warm_up = _warm_up_math
 
 
 @register_reward("format")

@@ -6,15 +6,22 @@ Built-ins (``grpo_mega.rewards.math``) register themselves by name with the
 :func:`register_reward` decorator; a custom function is named
 ``"package.module:function"`` and imported on use, which is also how a spawned
 scoring worker finds it. Config validation (``grpo_mega.preflight.validate``)
-checks ``reward.functions`` against ``REWARD_REGISTRY``.
+checks ``reward.functions`` against ``REWARD_REGISTRY`` and each function's
+``reward.kwargs`` against its signature (:func:`check_reward_kwargs`).
+
+A function may carry a ``warm_up(**kwargs)`` attribute: each scoring worker calls
+it once, with the function's kwargs, before it takes samples, so heavy imports
+(sympy for ``math``) are not charged to the first sample's timeout.
 """
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-__all__ = ["RewardFn", "REWARD_REGISTRY", "register_reward", "resolve_reward", "RewardSpec"]
+__all__ = ["RewardFn", "REWARD_REGISTRY", "register_reward", "resolve_reward", "check_reward_kwargs",
+           "RewardSpec"]
 
 RewardFn = Callable[..., float]
 REWARD_REGISTRY: dict[str, RewardFn] = {}
@@ -49,6 +56,20 @@ def resolve_reward(name: str) -> RewardFn:
         raise AttributeError(f"reward {name!r}: module {module_name!r} has no callable {attr!r}")
     return fn
 
+
+def check_reward_kwargs(fn: RewardFn, kwargs: Mapping[str, Any]) -> str | None:
+    """Why ``fn(prompt, completion, reference, metadata, **kwargs)`` cannot be called
+    (an unknown or a missing keyword, a wrong arity), or None when it can. Binds the
+    signature without calling, so a mistake shows at start-up, not in every sample."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None  # a builtin without a signature: nothing to check
+    try:
+        sig.bind("", "", None, {}, **kwargs)
+    except TypeError as e:
+        return f"{e}; it takes {sig}"
+    return None
 
 
 @dataclass(frozen=True)

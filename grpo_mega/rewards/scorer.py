@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Mapping, Sequence
 
-from grpo_mega.rewards.registry import RewardFn, RewardSpec, resolve_reward
+from grpo_mega.rewards.registry import RewardFn, RewardSpec, check_reward_kwargs, resolve_reward
 
 __all__ = [
     "RewardSample", "RewardFailure", "RewardResult", "RewardError", "RewardScorer",
@@ -109,9 +109,17 @@ def _evaluate(specs: Sequence[RewardSpec], fns: Sequence[RewardFn], sample: Rewa
     return ("ok", values)
 
 
+def _warm_up(specs: Sequence[RewardSpec], fns: Sequence[RewardFn]) -> None:
+    for spec, fn in zip(specs, fns):
+        warm = getattr(fn, "warm_up", None)
+        if callable(warm):
+            warm(**dict(spec.kwargs))
+
+
 def _worker_main(conn: Connection, specs: Sequence[RewardSpec]) -> None:
     try:
         fns = [resolve_reward(s.name) for s in specs]
+        _warm_up(specs, fns)
     except Exception as e:  # noqa: BLE001 - e.g. a custom module importable in the parent only
         conn.send(("fatal", f"{type(e).__name__}: {e}"))
         return
@@ -175,6 +183,11 @@ class RewardScorer:
             raise ValueError(f"duplicate reward names {names}; give each term once")
         # Resolve here too, so a typo in the config fails before any rollout.
         self._fns = [resolve_reward(s.name) for s in self.specs]
+        for spec, fn in zip(self.specs, self._fns):
+            problem = check_reward_kwargs(fn, spec.kwargs)
+            if problem:
+                raise ValueError(f"reward {spec.name!r} kwargs {dict(spec.kwargs)}: {problem}")
+        self._warmed_inline = False
         self.num_workers = int(num_workers)
         self.timeout_s = float(timeout_s)
         self.startup_timeout_s = 120.0
@@ -216,6 +229,9 @@ class RewardScorer:
         return result
 
     def _score_inline(self, samples: Sequence[RewardSample]) -> dict[int, tuple]:
+        if not self._warmed_inline:
+            _warm_up(self.specs, self._fns)
+            self._warmed_inline = True
         return {i: _evaluate(self.specs, self._fns, s) for i, s in enumerate(samples)}
 
     def _score_in_pool(self, samples: Sequence[RewardSample]) -> dict[int, tuple]:

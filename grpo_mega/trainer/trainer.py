@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega.config import Config, ConfigError, cli_config
-from grpo_mega.preflight.validate import validate
+from grpo_mega.preflight.validate import reward_specs, validate
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -201,9 +201,7 @@ def build_trainer(argv=None) -> Trainer:
     if ps.is_replica_leader:
         from grpo_mega.rewards import RewardScorer
         rc = cfg.reward
-        specs = [{"name": n, "weight": (rc.weights[i] if i < len(rc.weights) else 1.0)}
-                 for i, n in enumerate(rc.functions)]
-        scorer = RewardScorer(specs, num_workers=rc.num_workers, timeout_s=rc.timeout_seconds,
+        scorer = RewardScorer(reward_specs(cfg), num_workers=rc.num_workers, timeout_s=rc.timeout_seconds,
                               on_error={"stop": "raise", "zero": "zero"}[rc.on_error])
 
     sink = None

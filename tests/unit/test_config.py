@@ -143,3 +143,93 @@ def test_registering_a_kl_estimator_makes_it_valid_in_config():
         A.KL_ESTIMATORS.unregister("test_half_sq")
     with pytest.raises(ConfigError, match="algorithm.kl_kind"):
         validate(cfg, 1, check_hardware=False)
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    (["--reward.functions=[no_such_mod:f]"], ["'no_such_mod:f'", "cannot import module", "--reward.functions"]),
+    (["--reward.functions=[tests.unit.rewards.test_rewards:nope]"], ["has no callable 'nope'", "--reward.functions"]),
+    (["--reward.kwargs={format: {reward: 2}}"], ["reward.kwargs", "'format'", "does not list", "--reward.kwargs"]),
+    (["--reward.kwargs={math: {corect: 2}}"], ["reward 'math'", "unexpected keyword argument 'corect'",
+                                               "--reward.kwargs"]),
+    (["--reward.functions=[math, dapo_overlong]"], ["reward 'dapo_overlong'", "missing a required argument: "
+                                                    "'max_length'", "(--reward.kwargs)"]),
+    (["--reward.weights=[1, 2]"], ["reward.weights has 2 entries for 1", "--reward.weights"]),
+    (["--reward.functions=[math, math]"], ["twice", "--reward.functions"]),
+])
+def test_bad_reward_config_fails_at_load_naming_the_flag(overrides, needles):
+    """Guards against reward mistakes surviving until the first scoring, after the engine
+    started: kwargs the function does not take (the overlong penalty once got none and
+    raised TypeError on every sample), kwargs for an unlisted function, a module:function
+    path that does not import."""
+    from grpo_mega.rewards import REWARD_REGISTRY
+
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1, check_hardware=False)
+    msg = str(err.value)
+    assert all(n in msg for n in needles), msg
+    if "--reward.functions" in needles[-1] and "twice" not in needles[0]:  # a bad name lists the known ones
+        assert all(repr(name) in msg for name in REWARD_REGISTRY), msg
+
+
+def test_reward_kwargs_parse_from_yaml_and_cli(tmp_path):
+    """Guards against the kwargs mapping being read as a string, keys being mistyped, or a
+    module:function key being split at its colon."""
+    p = tmp_path / "r.yaml"
+    p.write_text("reward:\n  functions: [math, dapo_overlong]\n"
+                 "  kwargs:\n    dapo_overlong: {max_length: 16, buffer: 4}\n")
+    cfg = validate(load_config(str(p)), 1, check_hardware=False)
+    assert cfg.reward.kwargs == {"dapo_overlong": {"max_length": 16, "buffer": 4}}
+    cli = load_config(None, ['--reward.functions=["tests.unit.rewards.test_rewards:weighted_echo"]',
+                             '--reward.kwargs={"tests.unit.rewards.test_rewards:weighted_echo": {scale: 2.5}}'])
+    assert validate(cli, 1, check_hardware=False).reward.kwargs == {
+        "tests.unit.rewards.test_rewards:weighted_echo": {"scale": 2.5}}
+    with pytest.raises(ConfigError, match=r"reward.kwargs.*expected a mapping"):
+        load_config(None, ["--reward.kwargs=[1, 2]"])
+
+
+def test_bad_reward_name_stops_the_cli_before_any_engine_starts():
+    """Guards against validation running after the process groups or the vLLM engine are
+    up: `python -m grpo_mega.train` with a misspelt reward must exit nonzero with the
+    message, without starting anything."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "GRPO_TRACEBACK": "0", "PYTHONPATH": str(root)}
+    start = time.monotonic()
+    assets = root / "grpo_mega/assets/demo_v1"
+    proc = subprocess.run([sys.executable, "-m", "grpo_mega.train", f"--model.hf_checkpoint={assets / 'hf'}",
+                           f"--data.train_path={assets / 'train.jsonl'}",
+                           f"--data.eval_path={assets / 'eval.jsonl'}", "--reward.functions=[maths]"], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert "reward.functions: 'maths' is not a registered reward" in proc.stderr, proc.stderr
+    assert "--reward.functions" in proc.stderr and "'math'" in proc.stderr
+    assert "world " not in proc.stdout and "vLLM" not in proc.stdout, proc.stdout
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("overrides, flag", [
+    (["--rollout.top_p=0.9"], "rollout.top_p=0.9"),
+    (["--rollout.top_k=20"], "rollout.top_k=20"),
+])
+def test_tis_with_truncated_sampling_is_refused_naming_both_flags(overrides, flag):
+    """Guards against a biased TIS weight: with top-p/top-k the engine's log-probs are of
+    the truncated distribution, the trainer's of the full softmax(logits / T), so
+    exp(old - rollout) is off on every token. Off-policy updates (ppo_epochs > 1,
+    several mini-batches) compare the trainer with itself and stay allowed."""
+    cfg = load_config(None, overrides + ["--algorithm.tis_cap=2.0"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1, check_hardware=False)
+    msg = str(err.value)
+    assert flag in msg and "algorithm.tis_cap=2.0" in msg and "--algorithm.tis_cap=null" in msg, msg
+    validate(load_config(None, overrides + ["--algorithm.ppo_epochs=2", "--data.mini_batch_size=32"]), 1,
+             check_hardware=False)
+    for untruncated in (["--rollout.top_k=0"], ["--rollout.top_p=1.0", "--rollout.temperature=0.7"]):
+        validate(load_config(None, untruncated + ["--algorithm.tis_cap=2.0"]), 1, check_hardware=False)
+    with pytest.raises(ConfigError, match=r"rollout.top_p=0.0 must be in \(0, 1\]"):
+        validate(load_config(None, ["--rollout.top_p=0"]), 1, check_hardware=False)

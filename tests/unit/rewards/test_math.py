@@ -1,7 +1,14 @@
-"""Tests for grpo_mega.rewards.math: answer extraction and equivalence, and the
-built-in reward functions (math, format, dapo_overlong, length).
+"""Tests for grpo_mega.rewards.math: answer extraction and equivalence (the exact check,
+then math-verify), and the built-in reward functions (math, format, dapo_overlong, length).
 """
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -33,11 +40,84 @@ MATH_TABLE = [
 ]
 
 
+@pytest.mark.parametrize("use_math_verify", [True, False])
 @pytest.mark.parametrize("completion,reference,expected", MATH_TABLE)
-def test_math_reward_table(completion, reference, expected):
+def test_math_reward_table(completion, reference, expected, use_math_verify):
     """Guards the grader against false positives and negatives on the answer forms
-    seen in GSM8K/MATH: fractions, thousands separators, \\text, the last \\boxed."""
-    assert math_reward("", completion, reference, {}) == expected
+    seen in GSM8K/MATH: fractions, thousands separators, \\text, the last \\boxed; with
+    math-verify behind the exact check and without it, the same verdict on each."""
+    assert math_reward("", completion, reference, {}, use_math_verify=use_math_verify) == expected
+
+
+# (completion, reference, with math-verify, exact check only): forms only a symbolic
+# checker settles, and near-misses it must still refuse.
+MATH_VERIFY_TABLE = [
+    (r"\boxed{1+x}", "x+1", 1.0, 0.0),
+    (r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{1}{\sqrt{2}}", 1.0, 0.0),
+    (r"\boxed{\{1,2\}}", r"\{2,1\}", 1.0, 0.0),
+    (r"so $x = 3$, \boxed{x=3}", "3", 1.0, 0.0),  # math-verify reads the assignment's value
+    (r"\boxed{2\pi}", r"2 \pi", 1.0, 1.0),
+    (r"\boxed{(1,2)}", "(2,1)", 0.0, 0.0),  # an ordered pair is not its reverse
+    # gold first: an interval answers an inequality question, not the reverse (math-verify's rule)
+    (r"\boxed{(1,2)}", "1<x<2", 1.0, 0.0),
+    (r"\boxed{1<x<2}", "(1,2)", 0.0, 0.0),
+    (r"\boxed{\text{(B)}}", "(A)", 0.0, 0.0),
+    (r"\boxed{x+2}", "x+1", 0.0, 0.0),
+    (r"\boxed{y+1}", "x+1", 0.0, 0.0),  # variables matter (strict)
+]
+
+
+@pytest.mark.parametrize("completion,reference,with_mv,exact_only", MATH_VERIFY_TABLE)
+def test_math_verify_settles_symbolic_answers(completion, reference, with_mv, exact_only):
+    """Guards against the math reward missing equivalent symbolic answers (x+1 vs 1+x,
+    rationalised roots, sets) that the exact check cannot see, and against math-verify
+    passing near-misses; use_math_verify=false must keep the exact grader's verdicts."""
+    assert math_reward("", completion, reference, {}) == with_mv
+    assert math_reward("", completion, reference, {}, use_math_verify=False) == exact_only
+
+
+def test_exact_and_numeric_answers_never_load_math_verify():
+    """Guards the fast path: answers the exact check settles, and wrong plain numbers
+    (most GSM8K-style misses), must not pay for sympy; only a symbolic pair loads it."""
+    root = Path(__file__).resolve().parents[3]
+    code = ("import sys\n"
+            "from grpo_mega.rewards import math_reward\n"
+            "for c, r in [(r'\\boxed{\\frac{1}{2}}', '0.5'), ('#### 1,000', '1000'), ('so 41', '42'),"
+            " (r'\\boxed{\\frac{1}{3}}', '0.333'), (r'\\boxed{\\text{(A)}}', '(A)')]:\n"
+            "    math_reward('', c, r, {})\n"
+            "print('math_verify' in sys.modules, 'sympy' in sys.modules)\n"
+            "math_reward('', r'\\boxed{1+x}', 'x+1', {})\n"
+            "print('math_verify' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False", "True"], out.stdout
+
+
+def test_math_verify_runs_outside_the_main_thread():
+    """Guards against math-verify's signal.alarm timeout raising ValueError ("signal only
+    works in main thread") when the reward is called from a thread (inline scoring)."""
+    got = []
+    worker = threading.Thread(target=lambda: got.append(math_reward("", r"\boxed{1+x}", "x+1", {})))
+    worker.start()
+    worker.join(60)
+    assert got == [1.0]
+
+
+def test_math_verify_timeout_scores_incorrect_inside_scoring_workers():
+    """Guards against a pathological answer (a power tower sympy tries to evaluate) either
+    hanging the worker until the scorer kills it, which stops the run under
+    on_error=stop, or raising: math-verify's own alarm must fire in the worker and the
+    sample score incorrect, while a symbolic answer in the same batch still scores."""
+    from grpo_mega.rewards import RewardSample, score_samples
+
+    batch = [RewardSample("p", r"\boxed{9^{9^{9^{9}}}}", "1"), RewardSample("p", r"\boxed{1+x}", "x+1"),
+             RewardSample("p", "#### 7", "7")]
+    start = time.monotonic()
+    result = score_samples(batch, [{"name": "math", "kwargs": {"verify_timeout_s": 1}}],
+                           num_workers=1, timeout_s=10.0)
+    assert result.failures == [] and result.scores == [0.0, 1.0, 1.0]
+    assert time.monotonic() - start < 30
 
 
 def test_extract_answer_prefers_boxed_then_hashes_then_last_number():

@@ -118,3 +118,55 @@ def test_timeout_kills_the_worker_and_the_pool_recovers():
         scorer.on_error = "raise"
         with pytest.raises(RewardError, match="sample 0: reward timeout"):
             scorer.score(samples("hang"))
+
+
+def test_overlong_penalty_gets_its_kwargs_from_config_through_the_worker_pool():
+    """Guards against reward.kwargs not reaching the function: the overlong penalty needs
+    max_length/buffer and, with none passed, raised TypeError on every sample. Config ->
+    validation -> the trainer's specs -> spawned scoring workers -> DAPO eq. 13 values."""
+    from grpo_mega.config import load_config
+    from grpo_mega.preflight.validate import reward_specs, validate
+
+    cfg = validate(load_config(None, ["--reward.functions=[math, dapo_overlong]", "--reward.weights=[1, 0.5]",
+                                      "--reward.kwargs={dapo_overlong: {max_length: 20, buffer: 5}}"]),
+                   1, check_hardware=False)
+    batch = [RewardSample("p", r"\boxed{3}", "3", {"response_length": n}) for n in (0, 15, 16, 20, 21)]
+    result = score_samples(batch, reward_specs(cfg), num_workers=1, timeout_s=30)
+    assert result.failures == []
+    assert result.components["dapo_overlong"] == [0.0, 0.0, -0.2, -1.0, -1.0]
+    assert result.scores == pytest.approx([1.0, 1.0, 0.9, 0.5, 0.5])
+
+
+def test_scorer_refuses_kwargs_the_function_does_not_take():
+    """Guards against a scorer built outside the trainer (no config validation) turning a
+    misspelt kwarg into one TypeError per sample instead of one error up front."""
+    with pytest.raises(ValueError, match="reward 'math'.*unexpected keyword argument 'corect'"):
+        RewardScorer([{"name": "math", "kwargs": {"corect": 2.0}}])
+    with pytest.raises(ValueError, match="missing a required argument: 'buffer'"):
+        RewardScorer([{"name": "dapo_overlong", "kwargs": {"max_length": 20}}])
+
+
+WARMED = []
+
+
+def needs_warm_up(prompt, completion, reference, metadata, **kwargs):
+    if not WARMED:
+        raise RuntimeError("scored before warm_up ran in this worker")
+    return WARMED[0]
+
+
+def _slow_warm_up(value=1.0, **_):
+    time.sleep(1.5)  # longer than the sample timeout below
+    WARMED.append(value)
+
+
+needs_warm_up.warm_up = _slow_warm_up
+
+
+def test_warm_up_runs_once_per_worker_before_samples_and_is_not_timed():
+    """Guards against heavy imports (sympy for the math reward) counting against the first
+    sample's timeout: a 1.5 s warm-up with a 1 s sample timeout must not time out, and
+    the function's kwargs reach warm_up."""
+    spec = {"name": "tests.unit.rewards.test_rewards:needs_warm_up", "kwargs": {"value": 0.25}}
+    result = score_samples(samples("a", "b"), [spec], num_workers=1, timeout_s=1.0, on_error="zero")
+    assert result.failures == [] and result.scores == [0.25, 0.25]
