@@ -1,14 +1,17 @@
 """grpo-mega: a Megatron-style, model-parallel GRPO trainer.
 
-Modules, one concern each:
-  config      typed config dataclasses, YAML + ``--section.key=value`` overrides
-  parallel    torch.distributed + megatron model-parallel groups as one object
-  cpu_compat  makes megatron-core run on a CPU-only torch (applied only then)
-  models      actor / reference GPTModel builders (TE spec when available)
-  optimizer   optimizer with global-norm clipping across TP/PP/DP
-  algorithms  vocab-parallel log-probs, entropy, KL, advantages, GRPO loss
-  tokenizer, data, rewards, rollout   prompts -> vLLM samples -> scores
-  mapping, bridge                     Megatron <-> HF names; weight sync
-  checkpoint, metrics, train          the GRPO loop
+One subpackage per part of the system (README "Layout"; the import rules between
+them are the contracts in ``.importlinter``):
+  config, train   typed config (imports nothing of ours); the entry point, a list of stages
+  preflight       config validation against the registries, the memory budget
+  distributed     ParallelState, the CPU compatibility layer, the pipeline schedule
+  models          actor / reference GPTModel builders, precision, sharding rules, HF tables
+  optim           AdamW with DP/embedding reduction, global-norm clipping, fp32 masters
+  algorithms      vocab-parallel log-probs, entropy, KL, advantages, the GRPO loss
+  rollout         the rollout-engine protocol and the vLLM engine
+  bridge          trainer shards -> HF-named buckets -> the engine, verified
+  rewards, data   reward registry and scorer; prompt datasets and tokenizers
+  checkpoint      resumable trainer state, HF <-> megatron conversion
+  trainer         the Trainer, the step's stages, TrainingBatch, metrics
 """
 __version__ = "0.1.0"

@@ -257,8 +257,6 @@ class LoggingConfig:
     """Write TensorBoard events when tensorboard is installed."""
     wandb: bool = False
     """Log to Weights & Biases when installed."""
-    progress: bool = True
-    """Progress bars during rollout and training."""
 
 
 @dataclass
