@@ -257,6 +257,9 @@ class LoggingConfig:
     """Write TensorBoard events when tensorboard is installed."""
     wandb: bool = False
     """Log to Weights & Biases when installed."""
+    verbose: bool = False
+    """Show vLLM's own warnings and load bars. Off, vLLM logs errors only and an engine
+    start is one line of ours (``VLLM_LOGGING_LEVEL`` set in the environment still wins)."""
 
 
 @dataclass

@@ -36,7 +36,10 @@ def main(argv: list[str]) -> int:
     assets = ensure_demo_assets()
     mcore = run_dir / "init_mcore"
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore", VLLM_LOGGING_LEVEL="WARNING")
+               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
+    if "--logging.verbose=true" not in argv:
+        # torch reads this when it loads, before the trainer's own quieting can act
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if not mcore.exists():
         say(f"converting the HF checkpoint to megatron-core: {mcore}")
         subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), "hf-to-mcore",

@@ -180,12 +180,16 @@ def build_trainer(argv=None) -> Trainer:
         scheduler.load_state_dict(meta["scheduler"])
 
     say("starting the vLLM engine (first start takes 10-30 s on CPU)")
+    quiet = not cfg.logging.verbose
+    if quiet:  # vLLM reads its level when first imported, which is just below
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from grpo_mega.rollout import EngineConfig, RolloutEngine, SamplingConfig
     r = cfg.rollout
     engine = RolloutEngine(
         EngineConfig(model=cfg.model.hf_checkpoint, mode=r.engine_mode, max_model_len=r.max_model_len,
                      gpu_memory_utilization=r.gpu_memory_utilization, colocate=r.sleep_between_rollouts,
-                     seed=r.seed, logprobs_mode="processed_logprobs"),
+                     seed=r.seed, logprobs_mode="processed_logprobs",
+                     extra={"use_tqdm_on_load": False} if quiet else {}),
         SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=max(r.top_k, 0),
                        max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=r.seed),
         replica_group=ps.mp_group if ps.world_size > 1 else None, dp_rank=ps.dp_rank, dp_size=ps.dp)

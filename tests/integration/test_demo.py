@@ -36,3 +36,39 @@ def test_demo_entry_point_converts_and_trains(tmp_path):
     assert summary["steps"] == 2
     assert "held-out greedy accuracy" in r.stdout
     assert not (tmp_path / ".cache").exists()
+
+
+OURS = ("[demo]", "[grpo]", "[hf-to-mcore]", "step ")
+
+
+def _lines_not_ours_before_first_step(output: str) -> list[str]:
+    lines = []
+    for line in output.splitlines():
+        if line.startswith("step "):
+            break
+        if line.strip() and not line.startswith(OURS):
+            lines.append(line)
+    return lines
+
+
+def test_demo_output_is_ours_until_the_first_step(tmp_path):
+    """Guards against a noisy first run: vLLM's warnings (NUMA binding, tcmalloc, Triton,
+    set_num_threads eight times), its weight-loading bar and torch's C++ warnings once took
+    about 150 lines before the first step. By default at most 10 lines before the first step
+    may be someone else's; with --logging.verbose=true vLLM's own lines come back."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("VLLM_LOGGING_LEVEL", None)
+    outs = {}
+    for verbose in (False, True):
+        run_dir = tmp_path / f"verbose_{verbose}"
+        r = subprocess.run([sys.executable, "-m", "grpo_mega.demo", "--algorithm.steps=1",
+                            "--data.eval_every=0", "--checkpoint.save_every=0",
+                            "--logging.tensorboard=false", f"--logging.run_dir={run_dir}",
+                            *(["--logging.verbose=true"] if verbose else [])],
+                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-4000:]
+        outs[verbose] = _lines_not_ours_before_first_step(r.stdout)
+    assert len(outs[False]) <= 10, "\n".join(outs[False])
+    assert len(outs[True]) > len(outs[False]) + 5, "--logging.verbose=true should show vLLM's lines"
