@@ -215,13 +215,15 @@ class DataConfig:
     eval_path: Optional[str] = None
     """Held-out prompt file for periodic evaluation."""
     prompt_key: str = "prompt"
-    """Field holding the prompt text."""
+    """Field holding the prompt: text, or chat messages (``[{role, content}, ...]``). A row
+    without it may hold ``messages`` instead."""
     answer_key: str = "answer"
     """Field holding the reference answer."""
     metadata_key: Optional[str] = None
     """Optional field passed to reward functions."""
     chat_template: Optional[str] = None
-    """null: raw prompt; ``tokenizer``: the tokenizer's chat template; a Jinja template; or
+    """null: text prompts as they are, chat messages through the tokenizer's chat template;
+    ``tokenizer``: every prompt through the tokenizer's chat template; a Jinja template; or
     a format string with ``{prompt}``."""
     max_prompt_tokens: int = 128
     """Longer prompts are skipped and counted, never truncated."""

@@ -134,22 +134,29 @@ def render_prompt(prompt: Any, chat_template: str | None, tokenizer: Tokenizer |
     """The text the model sees.
 
     chat_template:
-      * ``None``: the prompt string unchanged (chat messages are an error);
+      * ``None``: a prompt string unchanged; chat messages through the tokenizer's own
+        chat template (an error naming the row when it has none);
       * ``"tokenizer"``: the HF tokenizer's own chat template;
       * a Jinja template (contains ``{{`` or ``{%``), rendered with
         ``messages``, ``add_generation_prompt=True``, ``bos_token``, ``eos_token``;
       * otherwise a format string with a ``{prompt}`` field (and optionally
         ``{system}``), e.g. ``"Question: {prompt}\\nAnswer:"``.
     """
+    hf = getattr(tokenizer, "hf", None)
+    has_template = hf is not None and bool(getattr(hf, "chat_template", None))
     if chat_template is None:
-        if not isinstance(prompt, str):
-            raise DataError(f"{where}: prompt is a list of chat messages; set a chat_template")
-        return prompt
+        if isinstance(prompt, str):
+            return prompt
+        if not has_template:  # chat messages: the tokenizer's own template, as instruct models expect
+            raise DataError(f"{where}: the row holds chat messages but the tokenizer has no chat "
+                            "template; set one with --data.chat_template (a Jinja template, or a "
+                            "format string with a {prompt} field)")
+        chat_template = "tokenizer"
     msgs = _messages(prompt, system_prompt, where)
     if chat_template == "tokenizer":
-        hf = getattr(tokenizer, "hf", None)
-        if hf is None or not getattr(hf, "chat_template", None):
-            raise DataError("chat_template='tokenizer' needs an HF tokenizer that has a chat template")
+        if not has_template:
+            raise DataError(f"{where}: data.chat_template=tokenizer, but the tokenizer has no chat "
+                            "template; give --data.chat_template a Jinja template instead")
         return hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     if _is_jinja(chat_template):
         return _render_jinja(chat_template, msgs, tokenizer)
@@ -255,6 +262,9 @@ class PromptDataset:
     @staticmethod
     def _make_prompt(where, uid, row, tokenizer, prompt_field, reference_field, metadata_fields,
                      chat_template, system_prompt, add_bos) -> Prompt:
+        # Chat datasets (OpenAI style) hold the conversation in ``messages``.
+        if prompt_field not in row and "messages" in row:
+            prompt_field = "messages"
         raw = _field(row, prompt_field, where, "prompt")
         text = render_prompt(raw, chat_template, tokenizer, system_prompt, where)
         reference = None

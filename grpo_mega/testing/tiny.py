@@ -153,10 +153,16 @@ def build_tiny_tokenizer(out_dir: str | os.PathLike, family: str = "qwen2",
     texts = default_corpus() if texts is None else list(texts)
     out = Path(out_dir)
     if family == "qwen2":
-        return train_bpe_tokenizer(texts, out, vocab_size)
+        return train_bpe_tokenizer(texts, out, vocab_size, chat_template=TINY_CHAT_TEMPLATE)
     out.mkdir(parents=True, exist_ok=True)
     sp_model = train_sentencepiece(texts, out / "sp", vocab_size)
-    return write_hf_tokenizer_dir(sp_model, out)
+    return write_hf_tokenizer_dir(sp_model, out, chat_template=TINY_CHAT_TEMPLATE)
+
+
+# A role-tagged template in the style of ChatML, so that tests render chat rows the way an
+# instruct model's tokenizer does (``apply_chat_template(..., add_generation_prompt=True)``).
+TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 def _check_shapes(family: str, hidden: int, heads: int, kv_heads: int, bias: bool) -> None:

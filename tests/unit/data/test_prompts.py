@@ -107,8 +107,11 @@ def test_tokenizer_chat_template(tmp_path):
 
 
 def test_chat_messages_without_template_is_an_error(tmp_path, tok):
+    """Guards against chat rows silently rendered some made-up way when the tokenizer has no
+    chat template: the error names the row and the flag that fixes it."""
     path = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}])
-    with pytest.raises(DataError, match=r"chat.jsonl:1: prompt is a list of chat messages; set a chat_template"):
+    with pytest.raises(DataError, match=r"chat.jsonl:1: the row holds chat messages but the tokenizer "
+                                        r"has no chat template; set one with --data.chat_template"):
         PromptDataset(path, tok)
     ds = PromptDataset(path, tok, chat_template="Q: {prompt} A:")
     assert ds[0].text == "Q: hi A:"
@@ -191,3 +194,25 @@ def test_shard_for_replica_partitions_the_batch(n, dp):
     assert max(map(len, shards)) - min(map(len, shards)) <= 1
     with pytest.raises(ValueError):
         shard_for_replica(items, dp, dp)
+
+
+def test_messages_rows_render_with_the_tokenizers_chat_template(tmp_path):
+    """Guards against instruct-model prompts fed raw or half-rendered: a row holding
+    ``messages`` (no ``prompt`` field, no chat_template configured) must be rendered by the
+    tokenizer's own chat template with the generation prompt, keep its answer, and be
+    tokenized from exactly that text. The tiny test tokenizer carries a ChatML-style template."""
+    from grpo_mega.data.tokenizer import HFTokenizer
+    from grpo_mega.testing.tiny import build_tiny_tokenizer
+
+    tok = HFTokenizer(build_tiny_tokenizer(tmp_path / "tok", family="llama"))
+    rows = [{"messages": [{"role": "system", "content": "Be brief."},
+                          {"role": "user", "content": "What is 2 + 2?"}], "answer": "4"},
+            {"prompt": "plain 1 + 1 =", "answer": "2"}]
+    ds = PromptDataset(write_jsonl(tmp_path / "chat.jsonl", rows), tok, shuffle=False)
+    chat, plain = ds[0], ds[1]
+    assert chat.text == "<|system|>Be brief.\n<|user|>What is 2 + 2?\n<|assistant|>"
+    assert chat.reference == "4" and chat.uid == "chat.jsonl:1"
+    assert list(chat.token_ids) == tok.encode(chat.text)
+    assert plain.text == "plain 1 + 1 ="  # text prompts stay raw unless asked otherwise
+    forced = PromptDataset(write_jsonl(tmp_path / "p.jsonl", rows[1:]), tok, chat_template="tokenizer")
+    assert forced[0].text == "<|user|>plain 1 + 1 =\n<|assistant|>"
