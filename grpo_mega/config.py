@@ -211,6 +211,10 @@ class DataConfig:
     """Held-out prompt file for periodic evaluation."""
     prompt_key: str = "prompt"
     """Field holding the prompt text."""
+    messages_key: Optional[str] = "messages"
+    """A row without ``prompt_key`` may hold chat messages (a list of ``{role, content}``) in this
+    field instead; they are rendered with the tokenizer's chat template (``data.chat_template``
+    when set). null disables it."""
     answer_key: str = "answer"
     """Field holding the reference answer."""
     metadata_key: Optional[str] = None
