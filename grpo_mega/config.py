@@ -155,7 +155,10 @@ class AlgorithmConfig:
     kl_coef: float = 0.04
     """KL penalty coefficient; 0 disables the reference model entirely."""
     kl_kind: str = "k3"
-    """KL estimator: k1, k2, k3, abs (aliases mse, low_var_kl)."""
+    """KL term: a sample estimator k1, k2, k3, abs (aliases mse, low_var_kl) from the sampled
+    tokens' log-probs, or ``full``: the exact KL over the whole vocabulary from the policy's
+    and the reference's logits shards (the reference runs next to the policy on each
+    micro-batch; parallel.pp=1 only)."""
     clip_low: float = 0.2
     """Lower PPO clip epsilon."""
     clip_high: float = 0.2
