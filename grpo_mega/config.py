@@ -160,7 +160,10 @@ class AlgorithmConfig:
     kl_coef: float = 0.04
     """KL penalty coefficient; 0 disables the reference model entirely."""
     kl_kind: str = "k3"
-    """KL estimator: k1, k2, k3, abs (aliases mse, low_var_kl)."""
+    """KL term: a sample estimator k1, k2, k3, abs (aliases mse, low_var_kl) from the sampled
+    tokens' log-probs, or ``full``: the exact KL over the whole vocabulary from the policy's
+    and the reference's logits shards (the reference runs next to the policy on each
+    micro-batch; parallel.pp=1 only)."""
     clip_low: float = 0.2
     """Lower PPO clip epsilon."""
     clip_high: float = 0.2
@@ -215,16 +218,19 @@ class DataConfig:
     eval_path: Optional[str] = None
     """Held-out prompt file for periodic evaluation."""
     prompt_key: str = "prompt"
-    """Field holding the prompt: text, or chat messages (``[{role, content}, ...]``). A row
-    without it may hold ``messages`` instead."""
+    """Field holding the prompt text."""
+    messages_key: Optional[str] = "messages"
+    """A row without ``prompt_key`` may hold chat messages (a list of ``{role, content}``) in this
+    field instead; they are rendered with the tokenizer's chat template (``data.chat_template``
+    when set). null disables it."""
     answer_key: str = "answer"
     """Field holding the reference answer."""
     metadata_key: Optional[str] = None
     """Optional field passed to reward functions."""
     chat_template: Optional[str] = None
-    """null: text prompts as they are, chat messages through the tokenizer's chat template;
-    ``tokenizer``: every prompt through the tokenizer's chat template; a Jinja template; or
-    a format string with ``{prompt}``."""
+    """How prompts are rendered: null keeps text prompts as they are (chat rows use the
+    tokenizer's chat template); ``tokenizer``: the tokenizer's chat template; a Jinja template;
+    or a format string with ``{prompt}``."""
     max_prompt_tokens: int = 128
     """Longer prompts are skipped and counted, never truncated."""
     prompts_per_step: int = 8

@@ -11,7 +11,8 @@ argument, before any collective can hang.
   fused Triton kernel for log-probs + entropy);
 * ``advantages``: ``group_advantages`` (GRPO z-score, Dr. GRPO, RLOO) and
   ``process_advantages`` (DeepSeekMath process supervision);
-* ``kl``: ``kl_penalty`` (k1/k2/k3/abs sample estimators);
+* ``kl``: ``kl_penalty`` (k1/k2/k3/abs sample estimators) and ``exact_kl``
+  (``full``: the exact KL over the vocabulary from both policies' logits shards);
 * ``loss``: ``policy_loss`` (clipped surrogate + KL + TIS; GRPO's per-token or
   GSPO's per-sequence ratio), ``aggregate`` (loss
   reduction modes) and ``global_batch_counts`` (the global normalisation
@@ -28,7 +29,8 @@ from grpo_mega.algorithms.advantages import (
     group_advantages,
     process_advantages,
 )
-from grpo_mega.algorithms.kl import KL_ALIASES, KL_ESTIMATORS, kl_penalty
+from grpo_mega.algorithms.kl import (KL_ALIASES, KL_ESTIMATORS, KLEstimator, exact_kl,
+                                     kl_needs_logits, kl_penalty)
 from grpo_mega.algorithms.loss import AGGREGATIONS, POLICY_LOSSES, aggregate, global_batch_counts, policy_loss
 from grpo_mega.algorithms.registry import Registry
 from grpo_mega.algorithms.vocab_parallel import (
@@ -44,6 +46,9 @@ __all__ = [
     "group_advantages",
     "process_advantages",
     "kl_penalty",
+    "exact_kl",
+    "kl_needs_logits",
+    "KLEstimator",
     "aggregate",
     "global_batch_counts",
     "policy_loss",

@@ -226,7 +226,8 @@ def _ratio_per_sequence(log_ratio: Tensor, mask: Tensor) -> Tensor:
 def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, *,
                 clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: Optional[float] = None,
                 agg: str = "token-mean", variant: str = "grpo", ref_logp: Optional[Tensor] = None, kl_coef: float = 0.0,
-                kl_kind: str = "k3", rollout_logp: Optional[Tensor] = None,
+                kl_kind: str = "k3", kl: Optional[Tensor] = None,
+                rollout_logp: Optional[Tensor] = None,
                 tis_cap: Optional[float] = None, entropy: Optional[Tensor] = None,
                 max_len: Optional[int] = None, global_tokens: Optional[Count] = None,
                 global_seqs: Optional[Count] = None) -> Tuple[Tensor, dict]:
@@ -244,6 +245,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
               the rollout engine's sampler differing from the trainer's
               numerics; tis_cap=None means no truncation, high variance)
         tok = pg + kl_coef * kl_penalty(logp, ref_logp, kl_kind)
+              (kl_kind="full": tok = pg + kl_coef * kl, the exact per-token KL)
     loss = aggregate(tok, mask, agg, ...). The TIS weight multiplies only the
     surrogate: the KL term is a regulariser on the current samples (as in verl).
 
@@ -254,7 +256,12 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         advantages: [B, T] per token, or [B] per sequence (expanded over T;
             the only broadcast allowed).
         mask: [B, T] bool (or 0/1) valid response tokens.
-        ref_logp: [B, T] reference log-probs; required when kl_coef != 0.
+        ref_logp: [B, T] reference log-probs; required when kl_coef != 0 and
+            kl_kind is a sample estimator (k1/k2/k3/abs).
+        kl: [B, T] exact per-token KL(pi_theta || pi_ref), for kl_kinds that need
+            logits (``full``): ``exact_kl(kl_kind, logits_shard, ref_logits_shard,
+            tp_group)``, differentiable w.r.t. the policy logits; required when
+            kl_coef != 0 with such a kind, refused with the others.
         rollout_logp: [B, T] log-probs reported by the rollout engine.
         entropy: [B, T] per-token entropy, logged only (no bonus in the loss).
         agg, max_len, global_tokens, global_seqs: see ``aggregate``.
@@ -274,7 +281,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         raise ValueError("logp must be a 2-D tensor [B, T]")
     _same_shape(logp, "logp", old_logp, "old_logp")
     _same_shape(logp, "logp", mask, "mask")
-    for t, name in ((ref_logp, "ref_logp"), (rollout_logp, "rollout_logp"), (entropy, "entropy")):
+    for t, name in ((ref_logp, "ref_logp"), (rollout_logp, "rollout_logp"), (entropy, "entropy"),
+                    (kl, "kl")):
         _check_token_tensor(logp, t, name)
     if not isinstance(advantages, Tensor) or advantages.shape not in (logp.shape, logp.shape[:1]):
         got = tuple(advantages.shape) if isinstance(advantages, Tensor) else type(advantages).__name__
@@ -290,9 +298,16 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         raise ValueError(f"tis_cap must be > 0 or None, got {tis_cap!r}")
     if tis_cap is not None and rollout_logp is None:
         raise ValueError("tis_cap needs rollout_logp")
-    if kl_coef != 0 and ref_logp is None:
+    kl_est = _kl_estimator(kl_kind, "kl_kind")  # fail on a bad name even when the KL term is off
+    if kl_est.needs_logits:
+        if kl_coef != 0 and kl is None:
+            raise ValueError(f"kl_kind={kl_kind!r} needs kl= (the exact per-token KL from both "
+                             f"policies' logits, exact_kl) when kl_coef={kl_coef!r} is nonzero")
+    elif kl is not None:
+        raise ValueError(f"kl= is the exact KL of kl_kind='full'; kl_kind={kl_kind!r} estimates "
+                         "it from ref_logp instead")
+    elif kl_coef != 0 and ref_logp is None:
         raise ValueError(f"ref_logp is required when kl_coef={kl_coef!r} is nonzero")
-    kl_fn = _kl_estimator(kl_kind, "kl_kind")  # fail on a bad name even when the KL term is off
     AGGREGATIONS.get(agg, "agg")
     ratio_fn = POLICY_LOSSES.get(variant, "variant")
 
@@ -333,13 +348,18 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     counts = dict(max_len=max_len, global_tokens=global_tokens, global_seqs=global_seqs)
     loss = aggregate(pg, mask, agg, **counts)
     metrics["pg_loss"] = loss.detach().clone()
-    if ref_logp is not None:
+    tok_kl = None
+    if kl_est.needs_logits and kl is not None:
+        # Padding rows hold finite garbage logits; zero them (value and gradient).
+        tok_kl = torch.where(mask, kl.to(logp.dtype), torch.zeros_like(logp))
+    elif not kl_est.needs_logits and ref_logp is not None:
         # Same zero-at-padding guard as the ratio: k3 is exponential in -x.
         ref_log_ratio = torch.where(mask, logp - ref_logp.detach(), torch.zeros_like(logp))
-        kl = kl_fn(ref_log_ratio)
-        metrics["kl"] = _masked_mean(kl.detach(), mask)
+        tok_kl = kl_est.fn(ref_log_ratio)
+    if tok_kl is not None:
+        metrics["kl"] = _masked_mean(tok_kl.detach(), mask)
         if kl_coef != 0:
-            kl_loss = aggregate(kl, mask, agg, **counts)
+            kl_loss = aggregate(tok_kl, mask, agg, **counts)
             metrics["kl_loss"] = kl_loss.detach().clone()
             loss = loss + kl_coef * kl_loss
     return loss, metrics

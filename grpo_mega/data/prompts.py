@@ -4,7 +4,9 @@ What: :class:`PromptDataset` reads rows from JSONL and Parquet files, takes
 the prompt, the reference answer and optional metadata from configurable
 fields, renders the prompt (raw text, a ``{prompt}`` format string, a Jinja
 chat template, or the tokenizer's own chat template), tokenizes it, and
-serves batches in an order fixed by ``(seed, epoch)``.
+serves batches in an order fixed by ``(seed, epoch)``. A row may hold chat
+``messages`` (a list of ``{role, content}``) instead of a prompt; those are
+rendered with the tokenizer's chat template, as an instruct model expects.
 
 Why the rules:
 * Prompts longer than ``max_prompt_tokens`` are skipped and counted (and
@@ -33,7 +35,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 from grpo_mega.data.tokenizer import Tokenizer
 
-__all__ = ["DataError", "Prompt", "PromptDataset", "read_rows", "render_prompt", "shard_for_replica"]
+__all__ = ["DataError", "Prompt", "PromptDataset", "read_rows", "render_messages", "render_prompt",
+           "shard_for_replica"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -125,6 +128,37 @@ def _messages(prompt: Any, system_prompt: str | None, where: str) -> list[dict]:
     return msgs
 
 
+def _check_messages(msgs: Any, where: str, messages_field: str) -> list[dict]:
+    if not (isinstance(msgs, list) and msgs and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in msgs)):
+        raise DataError(f"{where}: field {messages_field!r} must be a non-empty list of "
+                        "{'role': str, 'content': str} messages")
+    if msgs[-1]["role"] == "assistant":
+        # The generation prompt opens a new assistant turn; a trailing
+        # assistant message would be the answer itself inside the prompt.
+        raise DataError(f"{where}: field {messages_field!r} ends with an assistant message; "
+                        "a prompt must end with the turn the model answers (drop the reply)")
+    return [dict(m) for m in msgs]
+
+
+def render_messages(msgs: list[dict], chat_template: str | None, tokenizer: Tokenizer | None,
+                    system_prompt: str | None = None, where: str = "messages",
+                    messages_field: str = "messages") -> str:
+    """The text of a chat-formatted row: ``chat_template`` when set, else the
+    tokenizer's own template (``apply_chat_template(..., add_generation_prompt=True)``)."""
+    msgs = _check_messages(msgs, where, messages_field)
+    if chat_template is not None:
+        return render_prompt(msgs, chat_template, tokenizer, system_prompt, where)
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None or not getattr(hf, "chat_template", None):
+        raise DataError(f"{where}: row holds chat {messages_field!r} but the tokenizer {tokenizer!r} "
+                        "has no chat template; use a tokenizer (model.hf_checkpoint) whose "
+                        "tokenizer_config.json has a chat_template, or set data.chat_template to a "
+                        "Jinja template")
+    return render_prompt(msgs, "tokenizer", tokenizer, system_prompt, where)
+
+
 def _is_jinja(template: str) -> bool:
     return "{{" in template or "{%" in template
 
@@ -134,29 +168,22 @@ def render_prompt(prompt: Any, chat_template: str | None, tokenizer: Tokenizer |
     """The text the model sees.
 
     chat_template:
-      * ``None``: a prompt string unchanged; chat messages through the tokenizer's own
-        chat template (an error naming the row when it has none);
+      * ``None``: the prompt string unchanged (chat messages are an error);
       * ``"tokenizer"``: the HF tokenizer's own chat template;
       * a Jinja template (contains ``{{`` or ``{%``), rendered with
         ``messages``, ``add_generation_prompt=True``, ``bos_token``, ``eos_token``;
       * otherwise a format string with a ``{prompt}`` field (and optionally
         ``{system}``), e.g. ``"Question: {prompt}\\nAnswer:"``.
     """
-    hf = getattr(tokenizer, "hf", None)
-    has_template = hf is not None and bool(getattr(hf, "chat_template", None))
     if chat_template is None:
-        if isinstance(prompt, str):
-            return prompt
-        if not has_template:  # chat messages: the tokenizer's own template, as instruct models expect
-            raise DataError(f"{where}: the row holds chat messages but the tokenizer has no chat "
-                            "template; set one with --data.chat_template (a Jinja template, or a "
-                            "format string with a {prompt} field)")
-        chat_template = "tokenizer"
+        if not isinstance(prompt, str):
+            raise DataError(f"{where}: prompt is a list of chat messages; set a chat_template")
+        return prompt
     msgs = _messages(prompt, system_prompt, where)
     if chat_template == "tokenizer":
-        if not has_template:
-            raise DataError(f"{where}: data.chat_template=tokenizer, but the tokenizer has no chat "
-                            "template; give --data.chat_template a Jinja template instead")
+        hf = getattr(tokenizer, "hf", None)
+        if hf is None or not getattr(hf, "chat_template", None):
+            raise DataError("chat_template='tokenizer' needs an HF tokenizer that has a chat template")
         return hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     if _is_jinja(chat_template):
         return _render_jinja(chat_template, msgs, tokenizer)
@@ -214,6 +241,7 @@ class PromptDataset:
         tokenizer: Tokenizer,
         *,
         prompt_field: str = "prompt",
+        messages_field: str | None = "messages",
         reference_field: str | None = "answer",
         metadata_fields: Sequence[str] | None = None,
         chat_template: str | None = None,
@@ -227,6 +255,10 @@ class PromptDataset:
         Args:
             paths: JSONL (``.jsonl``/``.json``) and Parquet files, read in order.
             prompt_field: field holding the prompt (a string or chat messages).
+            messages_field: a row without ``prompt_field`` may hold chat
+                messages here instead, rendered by :func:`render_messages`
+                (the tokenizer's chat template unless ``chat_template`` is
+                set); ``None`` disables the fallback.
             reference_field: field with the reference answer; ``None`` if the
                 rewards need none. Missing in a row is an error.
             metadata_fields: fields copied into ``Prompt.metadata``;
@@ -244,8 +276,9 @@ class PromptDataset:
         self.prompts: list[Prompt] = []
         for where, uid, row in read_rows(self.paths):
             self.num_rows += 1
-            prompt = self._make_prompt(where, uid, row, tokenizer, prompt_field, reference_field,
-                                       metadata_fields, chat_template, system_prompt, add_bos)
+            prompt = self._make_prompt(where, uid, row, tokenizer, prompt_field, messages_field,
+                                       reference_field, metadata_fields, chat_template,
+                                       system_prompt, add_bos)
             if max_prompt_tokens is not None and len(prompt.token_ids) > max_prompt_tokens:
                 self.num_skipped_too_long += 1
                 continue
@@ -260,20 +293,27 @@ class PromptDataset:
         self._order_cache: tuple[int, list[int]] | None = None
 
     @staticmethod
-    def _make_prompt(where, uid, row, tokenizer, prompt_field, reference_field, metadata_fields,
-                     chat_template, system_prompt, add_bos) -> Prompt:
-        # Chat datasets (OpenAI style) hold the conversation in ``messages``.
-        if prompt_field not in row and "messages" in row:
-            prompt_field = "messages"
-        raw = _field(row, prompt_field, where, "prompt")
-        text = render_prompt(raw, chat_template, tokenizer, system_prompt, where)
+    def _make_prompt(where, uid, row, tokenizer, prompt_field, messages_field, reference_field,
+                     metadata_fields, chat_template, system_prompt, add_bos) -> Prompt:
+        if prompt_field not in row and messages_field is not None and messages_field in row:
+            text = render_messages(row[messages_field], chat_template, tokenizer, system_prompt,
+                                   where, messages_field)
+        else:
+            if prompt_field not in row and messages_field is not None:
+                raise DataError(f"{where}: missing field {prompt_field!r} and no chat "
+                                f"{messages_field!r} field either (fields present: {sorted(row)}); "
+                                "set data prompt_field (data.prompt_key) or data.messages_key "
+                                "to the right name")
+            raw = _field(row, prompt_field, where, "prompt")
+            text = render_prompt(raw, chat_template, tokenizer, system_prompt, where)
         reference = None
         if reference_field is not None:
             reference = str(_field(row, reference_field, where, "reference"))
         if metadata_fields is None:
             meta = {}
         elif list(metadata_fields) == ["*"]:
-            meta = {k: v for k, v in row.items() if k not in (prompt_field, reference_field)}
+            meta = {k: v for k, v in row.items()
+                    if k not in (prompt_field, messages_field, reference_field)}
         else:
             meta = {k: _field(row, k, where, "metadata") for k in metadata_fields}
         ids = tuple(tokenizer.encode(text, add_bos=add_bos))

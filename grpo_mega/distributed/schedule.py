@@ -14,6 +14,14 @@ slices) or a dict with a ``"tokens"`` key (tests, benchmarks).
 
     loss_fn(logits_shard: [b, s, V_pad/tp], mb) -> (loss: 0-d, outputs: dict)
 
+With ``reference=`` (a frozen model, PP=1 only), the forward step also runs the
+reference on the same micro-batch's tokens, without grad, and the loss gets its
+logits shard: ``loss_fn(logits_shard, mb, ref_logits_shard)``. The reference shard
+lives from that forward step to the micro-batch's backward, so one shard per stage
+is alive at a time, never ``[B, T, V/tp]`` for the whole batch (the exact ``full``
+KL needs it per token). At PP>1 the reference's hidden states would have to travel
+between stages next to the policy's; that is not implemented and refused here.
+
 ``loss`` must already be normalised by the *global* batch (the schedule is told
 not to divide by the number of micro-batches); ``outputs`` are detached values.
 """
@@ -37,11 +45,15 @@ def _tokens(mb: Any) -> torch.Tensor:
 
 
 def run_microbatches(model, micro_batches: list[Any], loss_fn: Callable, ps: ParallelState,
-                     *, forward_only: bool) -> list[dict]:
+                     *, forward_only: bool, reference=None) -> list[dict]:
     """Each ``mb`` holds at least ``tokens: [b, s]`` (long). Returns ``loss_fn`` outputs
-    per micro-batch on the last stage, ``[]`` on other stages."""
+    per micro-batch on the last stage, ``[]`` on other stages. ``reference``: a frozen
+    model whose logits shard of each micro-batch is passed to ``loss_fn`` (PP=1)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    if reference is not None and ps.pp > 1:
+        raise ValueError(f"run_microbatches(reference=...) runs the reference inside the policy's "
+                         f"forward step, which needs pipeline_parallel=1 (got pp={ps.pp})")
     if not micro_batches:
         return []
     config = model.config
@@ -49,8 +61,9 @@ def run_microbatches(model, micro_batches: list[Any], loss_fn: Callable, ps: Par
     # The schedule's p2p buffers use this dtype for activations.
     config.pipeline_dtype = next(model.parameters()).dtype
 
-    def loss_func(mb, output_tensor):
-        loss, outputs = loss_fn(output_tensor, mb)
+    def loss_func(mb, ref_logits, output_tensor):
+        extra = () if ref_logits is None else (ref_logits,)
+        loss, outputs = loss_fn(output_tensor, mb, *extra)
         # Third element is a token count the schedule adds up; we normalise ourselves.
         return loss, torch.ones((), dtype=torch.int), outputs
 
@@ -59,8 +72,13 @@ def run_microbatches(model, micro_batches: list[Any], loss_fn: Callable, ps: Par
         tokens = _tokens(mb).to(ps.device)
         b, s = tokens.shape
         pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-        out = model(tokens, pos, causal_mask(s, tokens.device))
-        return out, partial(loss_func, mb)
+        mask = causal_mask(s, tokens.device)
+        out = model(tokens, pos, mask)
+        ref_logits = None
+        if reference is not None:
+            with torch.no_grad():
+                ref_logits = reference(tokens, pos, mask)
+        return out, partial(loss_func, mb, ref_logits)
 
     b, s = _tokens(micro_batches[0]).shape
     fb = get_forward_backward_func()

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["build_tiny_hf_checkpoint", "build_tiny_tokenizer", "default_corpus", "FAMILIES",
-           "MIN_HEAD_DIM", "TOKENIZER_FILES"]
+           "MIN_HEAD_DIM", "TINY_CHAT_TEMPLATE", "TOKENIZER_FILES"]
 
 MIN_HEAD_DIM = 32
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -45,6 +45,13 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
 }
+
+
+# A ChatML-style template (Qwen's turn markers) so chat-formatted prompt rows can
+# be tested end to end; the markers are plain text to the tiny vocab.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def build_tiny_hf_checkpoint(
@@ -135,7 +142,8 @@ def default_corpus() -> list[str]:
 
 
 def build_tiny_tokenizer(out_dir: str | os.PathLike, family: str = "qwen2",
-                         texts: list[str] | None = None, vocab_size: int = 512) -> Path:
+                         texts: list[str] | None = None, vocab_size: int = 512,
+                         chat_template: str | None = TINY_CHAT_TEMPLATE) -> Path:
     """An HF tokenizer directory that loads correctly for ``family``.
 
     qwen2: byte-level BPE (``train_bpe_tokenizer``); transformers 5 forces
@@ -144,7 +152,8 @@ def build_tiny_tokenizer(out_dir: str | os.PathLike, family: str = "qwen2",
     (``train_sentencepiece`` + ``write_hf_tokenizer_dir``; the ``.model``
     is kept as ``<out_dir>/sp.model``). The actual vocab may be smaller than
     ``vocab_size`` when the corpus is small. Special ids: unk=0, bos=1,
-    eos=2, pad=3.
+    eos=2, pad=3. ``chat_template`` (default :data:`TINY_CHAT_TEMPLATE`) goes
+    into ``tokenizer_config.json``, as in an instruct model; None leaves it out.
     """
     from grpo_mega.data.tokenizer import train_bpe_tokenizer, train_sentencepiece, write_hf_tokenizer_dir
 
@@ -153,16 +162,10 @@ def build_tiny_tokenizer(out_dir: str | os.PathLike, family: str = "qwen2",
     texts = default_corpus() if texts is None else list(texts)
     out = Path(out_dir)
     if family == "qwen2":
-        return train_bpe_tokenizer(texts, out, vocab_size, chat_template=TINY_CHAT_TEMPLATE)
+        return train_bpe_tokenizer(texts, out, vocab_size, chat_template=chat_template)
     out.mkdir(parents=True, exist_ok=True)
     sp_model = train_sentencepiece(texts, out / "sp", vocab_size)
-    return write_hf_tokenizer_dir(sp_model, out, chat_template=TINY_CHAT_TEMPLATE)
-
-
-# A role-tagged template in the style of ChatML, so that tests render chat rows the way an
-# instruct model's tokenizer does (``apply_chat_template(..., add_generation_prompt=True)``).
-TINY_CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                      "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return write_hf_tokenizer_dir(sp_model, out, chat_template=chat_template)
 
 
 def _check_shapes(family: str, hidden: int, heads: int, kv_heads: int, bias: bool) -> None:

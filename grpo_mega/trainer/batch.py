@@ -106,16 +106,19 @@ def _target_logits(logits: Tensor, vocab_size: int, ps: ParallelState, temperatu
 
 
 def _logprobs_entropy(logits: Tensor, tgt: Tensor, ps: ParallelState, *, vocab_size: int,
-                      temperature: float, fused: bool, entropy: bool = True):
+                      temperature: float, fused: bool, entropy: bool = True,
+                      z: Optional[Tensor] = None):
     """(logp, entropy or None), each [b, s-1], of the sampling distribution, for logits
     [b, s, V_pad/tp] and targets [b, s-1]. ``fused``: the Triton kernel reads the bf16
-    shard directly; otherwise the shard is masked, upcast and scaled first. Entropy is a
-    metric here, so it carries no gradient."""
+    shard directly; otherwise the shard is masked, upcast and scaled first (or ``z``, that
+    shard already made by ``_target_logits``, is used). Entropy is a metric here, so it
+    carries no gradient."""
     if fused:
         logp, ent = fused_logprobs_entropy(logits[:, :-1], tgt, ps.tp_group,
                                            temperature=temperature, vocab_size=vocab_size)
         return logp, ent.detach() if entropy else None
-    z = _target_logits(logits, vocab_size, ps, temperature)
+    if z is None:
+        z = _target_logits(logits, vocab_size, ps, temperature)
     logp = A.vocab_parallel_logprobs(z, tgt, ps.tp_group)
     if not entropy:
         return logp, None
@@ -140,7 +143,8 @@ def compute_logprobs(model, micro: list[TrainingBatch], ps: ParallelState, *, vo
 
 def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelState, algo, *,
                   vocab_size: int, temperature: float, max_len: int,
-                  reuse_current_as_old: bool, fused: bool = False) -> dict[str, Tensor | float]:
+                  reuse_current_as_old: bool, fused: bool = False,
+                  reference=None) -> dict[str, Tensor | float]:
     """One optimizer step over ``micro`` (this DP rank's share of a mini-batch).
 
     The loss of each micro-batch is its share of the global mini-batch mean
@@ -149,18 +153,34 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
     log-probs equal the current ones, so no extra forward was run. Returns the
     metrics as 0-d float64 device tensors (``grad_norm`` / ``skipped`` as floats from
     the optimizer); ``metrics_to_floats`` turns them into numbers once per step.
+
+    ``reference``: the frozen reference model, needed when ``algo.kl_kind`` is computed
+    from logits (``full``): the schedule runs it on each micro-batch inside the policy's
+    forward step and the loss takes the exact KL of the two logits shards (PP=1 only).
     """
     tokens, seqs = A.global_batch_counts([mb.loss_mask for mb in micro], ps.dp_group if ps.dp > 1 else None)
+    exact = algo.kl_coef > 0 and A.kl_needs_logits(algo.kl_kind)
+    if exact and reference is None:
+        raise ValueError(f"algorithm.kl_kind={algo.kl_kind!r} needs the reference model: pass "
+                         "update_policy(..., reference=ref)")
 
-    def loss_fn(logits, mb: TrainingBatch):
+    def loss_fn(logits, mb: TrainingBatch, ref_logits: Optional[Tensor] = None):
+        z = None if fused else _target_logits(logits, vocab_size, ps, temperature)
         logp, entropy = _logprobs_entropy(logits, mb.targets, ps, vocab_size=vocab_size,
-                                          temperature=temperature, fused=fused)
+                                          temperature=temperature, fused=fused, z=z)
+        kl = None
+        if exact:
+            # Same sampling distribution (padding mask, temperature) for both policies.
+            z = _target_logits(logits, vocab_size, ps, temperature) if z is None else z
+            ref_z = _target_logits(ref_logits, vocab_size, ps, temperature)
+            kl = A.exact_kl(algo.kl_kind, z, ref_z, ps.tp_group)
         old = logp.detach() if reuse_current_as_old else mb.old_logp
         loss, m = A.policy_loss(
             logp, old, mb.advantages, mb.loss_mask,
             clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
-            agg=algo.loss_agg, variant=algo.policy_loss, ref_logp=mb.ref_logp if algo.kl_coef > 0 else None,
-            kl_coef=algo.kl_coef, kl_kind=algo.kl_kind,
+            agg=algo.loss_agg, variant=algo.policy_loss,
+            ref_logp=mb.ref_logp if algo.kl_coef > 0 and not exact else None,
+            kl_coef=algo.kl_coef, kl_kind=algo.kl_kind, kl=kl,
             rollout_logp=mb.rollout_logp if algo.tis_cap else None,
             tis_cap=algo.tis_cap, entropy=entropy, max_len=max_len,
             global_tokens=max(tokens, 1), global_seqs=max(seqs, 1))
@@ -173,7 +193,8 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
         return loss, stats
 
     optimizer.zero_grad()
-    outs = run_microbatches(model, micro, loss_fn, ps, forward_only=False)
+    outs = run_microbatches(model, micro, loss_fn, ps, forward_only=False,
+                            reference=reference if exact else None)
     info = optimizer.step()
     sums: dict[str, Tensor] = {}
     for o in outs:

@@ -142,27 +142,44 @@ def _kernel_kw(t: Trainer) -> dict:
                 fused=use_fused(t.cfg.algorithm.logprob_kernel, t.ps.device))
 
 
+def _exact_kl(t: Trainer) -> bool:
+    """The KL kind needs the reference's logits (``full``): the reference then runs inside
+    the update, micro-batch by micro-batch, instead of as a log-prob pass here."""
+    return t.ref is not None and A.kl_needs_logits(t.cfg.algorithm.kl_kind)
+
+
+@contextlib.contextmanager
+def _reference_on_device(t: Trainer) -> Iterator[None]:
+    """With ``checkpoint.offload_reference`` the frozen copy stays off the GPU between uses."""
+    offload = t.cfg.checkpoint.offload_reference
+    if offload:
+        models.offload(t.ref, t.ps.device)
+    try:
+        yield
+    finally:
+        if offload:
+            models.offload(t.ref, torch.device("cpu"))
+
+
 def logprobs(t: Trainer, batch: TrainingBatch) -> UpdatePlan:
     """Reference (KL) and, when the update goes off-policy, old-policy log-probs, written
     into ``batch``. With one PPO epoch, one mini-batch and no TIS the old log-probs equal
-    the current ones at update time, so that forward is skipped."""
+    the current ones at update time, so that forward is skipped; with ``kl_kind: full``
+    the reference runs inside the update instead (see ``update``)."""
     cfg, ps, algo = t.cfg, t.ps, t.cfg.algorithm
     per_rank_mini = (cfg.data.mini_batch_size or cfg.data.prompts_per_step * cfg.rollout.n) // ps.dp
     off_policy = algo.ppo_epochs > 1 or len(batch) > per_rank_mini or algo.tis_cap is not None
-    if t.ref is not None:
+    ref_logprobs = t.ref is not None and not _exact_kl(t)
+    if ref_logprobs:
         batch.ref_logp = batch.empty_logp()
     if off_policy:
         batch.old_logp = batch.empty_logp()
     # Slice after allocating, so the micro-batch views alias the buffers filled below.
     plan = UpdatePlan([m.split(cfg.parallel.micro_batch_size) for m in batch.split(per_rank_mini)], off_policy)
     kw = _kernel_kw(t)
-    if t.ref is not None:
-        offload = cfg.checkpoint.offload_reference  # keep the frozen copy off the GPU between uses
-        if offload:
-            models.offload(t.ref, ps.device)
-        compute_logprobs(t.ref, plan.flat, ps, key="ref_logp", **kw)
-        if offload:
-            models.offload(t.ref, torch.device("cpu"))
+    if ref_logprobs:
+        with _reference_on_device(t):
+            compute_logprobs(t.ref, plan.flat, ps, key="ref_logp", **kw)
     if off_policy:
         compute_logprobs(t.model, plan.flat, ps, key="old_logp", **kw)
     return plan
@@ -172,14 +189,18 @@ def logprobs(t: Trainer, batch: TrainingBatch) -> UpdatePlan:
 
 def update(t: Trainer, plan: UpdatePlan) -> dict[str, float]:
     """ppo_epochs x mini-batches of clipped surrogate + KL, one optimizer step each; the
-    last step's metrics, as floats (the step's one host sync of the metrics)."""
+    last step's metrics, as floats (the step's one host sync of the metrics). With
+    ``kl_kind: full`` the reference runs next to the policy on every micro-batch."""
     metrics: dict = {}
-    for _ in range(t.cfg.algorithm.ppo_epochs):
-        for micro in plan.minis:
-            metrics = update_policy(t.model, t.optimizer, micro, t.ps, t.cfg.algorithm,
-                                    max_len=t.cfg.rollout.max_new_tokens,
-                                    reuse_current_as_old=not plan.off_policy, **_kernel_kw(t))
-            t.scheduler.step()
+    exact = _exact_kl(t)
+    with _reference_on_device(t) if exact else contextlib.nullcontext():
+        for _ in range(t.cfg.algorithm.ppo_epochs):
+            for micro in plan.minis:
+                metrics = update_policy(t.model, t.optimizer, micro, t.ps, t.cfg.algorithm,
+                                        max_len=t.cfg.rollout.max_new_tokens,
+                                        reuse_current_as_old=not plan.off_policy,
+                                        reference=t.ref if exact else None, **_kernel_kw(t))
+                t.scheduler.step()
     return metrics_to_floats(metrics)
 
 

@@ -139,7 +139,8 @@ def build_trainer(argv=None) -> Trainer:
     from grpo_mega.data.tokenizer import load_tokenizer
     tok = load_tokenizer(cfg.model.hf_checkpoint)
     d = cfg.data
-    ds_kw = dict(prompt_field=d.prompt_key, reference_field=d.answer_key,
+    ds_kw = dict(prompt_field=d.prompt_key, messages_field=d.messages_key,
+                 reference_field=d.answer_key,
                  metadata_fields=[d.metadata_key] if d.metadata_key else None,
                  chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens)
     dataset = PromptDataset(d.train_path, tok, seed=d.seed, **ds_kw)

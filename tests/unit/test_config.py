@@ -77,7 +77,7 @@ def test_defaults_validate_and_help_lists_fields(capsys):
 
 
 @pytest.mark.parametrize("override, field, value", [
-    ("--algorithm.kl_kind=full", "algorithm.kl_kind", "full"),
+    ("--algorithm.kl_kind=k4", "algorithm.kl_kind", "k4"),
     ("--algorithm.loss_agg=seq-sum", "algorithm.loss_agg", "seq-sum"),
     ("--algorithm.norm=zscore", "algorithm.norm", "zscore"),
     ("--algorithm.baseline=median", "algorithm.baseline", "median"),
@@ -106,6 +106,22 @@ def test_kl_aliases_are_valid_config_names():
     (mse, low_var_kl) that the loss accepts."""
     for kind in ("mse", "low_var_kl", "k1", "abs"):
         validate(load_config(None, [f"--algorithm.kl_kind={kind}"]), 1, check_hardware=False)
+
+
+def test_full_kl_is_accepted_at_pp1_and_refused_at_pp2_naming_both_flags():
+    """Guards against kl_kind=full passing validation on a pipeline layout whose schedule
+    cannot carry the reference's hidden states (the run would die at its first update),
+    and against refusing it where it works (any tp/dp at pp=1)."""
+    validate(load_config(None, ["--algorithm.kl_kind=full"]), 1, check_hardware=False)
+    validate(load_config(None, ["--algorithm.kl_kind=full", "--parallel.tp=2"]), 4,
+             check_hardware=False)
+    # kl_coef=0 builds no reference: the kind is irrelevant and not refused
+    validate(load_config(None, ["--algorithm.kl_kind=full", "--algorithm.kl_coef=0",
+                                "--parallel.pp=2"]), 2, check_hardware=False)
+    cfg = load_config(None, ["--algorithm.kl_kind=full", "--parallel.pp=2"])
+    with pytest.raises(ConfigError, match=r"algorithm.kl_kind='full'.*parallel.pp=1 only, got "
+                                          r"parallel.pp=2.*--parallel.pp=1"):
+        validate(cfg, 2, check_hardware=False)
 
 
 def test_process_advantage_is_registered_but_refused_with_a_reason():

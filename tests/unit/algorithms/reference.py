@@ -48,9 +48,11 @@ def ref_agg(tok, mask, mode, max_len=None):
 
 
 def ref_loss(logp, old, adv, mask, ref, rollout, *, clip_low, clip_high, dual_clip, kl_coef,
-              kl_kind, tis_cap, mode="token-mean", max_len=None):
-    """GRPO loss written as the objective to maximise, negated; all float64."""
-    assert kl_kind == "k3"
+              kl_kind, tis_cap, mode="token-mean", max_len=None, kl_full=None):
+    """GRPO loss written as the objective to maximise, negated; all float64. kl_kind "k3"
+    uses ``ref`` (reference log-probs of the targets); "full" uses ``kl_full`` [B, T], the
+    exact KL(pi || pi_ref) over the vocabulary computed by the caller."""
+    assert kl_kind in ("k3", "full")
     adv = adv[:, None].expand_as(logp) if adv.dim() == 1 else adv
     ratio = torch.exp(logp - old)
     surr = torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
@@ -58,8 +60,11 @@ def ref_loss(logp, old, adv, mask, ref, rollout, *, clip_low, clip_high, dual_cl
         surr = torch.where(adv < 0, torch.maximum(surr, dual_clip * adv), surr)
     if rollout is not None:
         surr = surr * torch.exp(old - rollout).clamp(max=tis_cap)
-    d = ref - logp
-    tok = -surr + kl_coef * (torch.exp(d) - d - 1)
+    if kl_kind == "full":
+        tok = -surr + kl_coef * kl_full
+    else:
+        d = ref - logp
+        tok = -surr + kl_coef * (torch.exp(d) - d - 1)
     return ref_agg(tok, mask, mode, max_len)
 
 

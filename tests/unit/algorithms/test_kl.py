@@ -40,6 +40,7 @@ _lp = torch.zeros(2, 3)
 BAD_INPUTS = {
     "unknown_kl_kind": (lambda: kl_penalty(_lp, _lp, "k4"), "kind"),
     "kl_broadcast": (lambda: kl_penalty(torch.zeros(3), torch.zeros(1), "k1"), "ref_logp"),
+    "full_needs_logits": (lambda: kl_penalty(_lp, _lp, "full"), "needs both policies' logits"),
 }
 
 

@@ -191,6 +191,12 @@ BAD_INPUTS = {
                                "kl_kind"),
     "kl_coef_without_ref": (lambda: policy_loss(_lp, _lp, torch.zeros(2), _m, kl_coef=0.1),
                             "ref_logp"),
+    "full_kl_without_kl": (lambda: policy_loss(_lp, _lp, torch.zeros(2), _m, kl_coef=0.1,
+                                               kl_kind="full", ref_logp=_lp), "kl="),
+    "kl_with_sample_kind": (lambda: policy_loss(_lp, _lp, torch.zeros(2), _m, kl_coef=0.1,
+                                                kl_kind="k3", ref_logp=_lp, kl=_lp), "kl="),
+    "full_kl_shape": (lambda: policy_loss(_lp, _lp, torch.zeros(2), _m, kl_coef=0.1,
+                                          kl_kind="full", kl=torch.zeros(2, 4)), "kl"),
 }
 
 

@@ -59,11 +59,13 @@ def test_duplicate_names_are_refused_and_unregister_removes_aliases():
 def test_builtin_registries_hold_the_documented_variants():
     """Guards against a dropped registry entry or a swapped alias (mse must be k2,
     low_var_kl must be k3), which config validation would then refuse or misroute."""
-    assert sorted(A.KL_ESTIMATORS) == ["abs", "k1", "k2", "k3"]
+    assert sorted(A.KL_ESTIMATORS) == ["abs", "full", "k1", "k2", "k3"]
     assert dict(A.KL_ALIASES) == {"mse": "k2", "low_var_kl": "k3"}
+    assert [n for n, e in A.KL_ESTIMATORS.items() if e.needs_logits] == ["full"]
+    assert A.KL_ESTIMATORS["full"].fn is A.vocab_parallel_kl
     x = torch.tensor([0.5, -1.0])
-    torch.testing.assert_close(A.KL_ESTIMATORS.get("mse")(x), 0.5 * x ** 2)
-    torch.testing.assert_close(A.KL_ESTIMATORS.get("low_var_kl")(x), torch.exp(-x) + x - 1)
+    torch.testing.assert_close(A.KL_ESTIMATORS.get("mse").fn(x), 0.5 * x ** 2)
+    torch.testing.assert_close(A.KL_ESTIMATORS.get("low_var_kl").fn(x), torch.exp(-x) + x - 1)
     assert sorted(A.BASELINES) == ["loo", "mean"] and sorted(A.NORMS) == ["none", "std"]
     assert sorted(A.AGGREGATIONS) == ["seq-mean-token-mean", "seq-mean-token-sum",
                                       "seq-mean-token-sum-norm", "token-mean"]

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega.algorithms import (
+    exact_kl,
     policy_loss,
     vocab_parallel_entropy,
     vocab_parallel_kl,
@@ -48,7 +49,13 @@ def _reference(logits, ref_logits, targets, c):
     ref_logp = logq.gather(-1, targets[..., None]).squeeze(-1)
     loss = ref_loss(vals["logprobs"], c["old_logp"].double(), c["advantages"].double(),
                      c["mask"], ref_logp, c["rollout_logp"].double(), **LOSS_KW)
-    out["policy_loss"] = (loss.detach(), torch.autograd.grad(loss, z)[0])
+    out["policy_loss"] = (loss.detach(), torch.autograd.grad(loss, z, retain_graph=True)[0])
+    # kl_kind="full": the exact KL(pi || pi_ref) written from scratch, p (log p - log q)
+    loss_full = ref_loss(vals["logprobs"], c["old_logp"].double(), c["advantages"].double(),
+                          c["mask"], None, c["rollout_logp"].double(),
+                          **{**LOSS_KW, "kl_kind": "full"}, kl_full=vals["kl"])
+    out["policy_loss_full"] = (loss_full.detach(), torch.autograd.grad(loss_full, z)[0])
+    out["kl_mean"] = vals["kl"].detach()[c["mask"]].mean()
     out["entropy_mean"] = vals["entropy"].detach()[c["mask"]].mean()
     return out
 
@@ -125,6 +132,21 @@ def _tp_checks(group) -> dict:
     _close(res, "policy_loss_value", loss, ref["policy_loss"][0], **FP32)
     _close(res, "policy_loss_grad", leaf.grad, _shard(ref["policy_loss"][1], group), **FP32)
     _close(res, "policy_loss_entropy_metric", metrics["entropy"], ref["entropy_mean"], **FP32)
+
+    # kl_kind="full": policy_loss over the exact vocab-parallel KL, gradient w.r.t. the
+    # policy logits through both the surrogate and the KL; none into the reference
+    leaf = _shard(c["logits"], group).clone().requires_grad_()
+    ref_leaf = _shard(c["ref_logits"], group).clone().requires_grad_()
+    logp = vocab_parallel_logprobs(leaf, c["targets"], group)
+    kl = exact_kl("full", leaf, ref_leaf, group)
+    loss, metrics = policy_loss(logp, c["old_logp"], c["advantages"], c["mask"], kl=kl,
+                                rollout_logp=c["rollout_logp"], **{**LOSS_KW, "kl_kind": "full"})
+    loss.backward()
+    _close(res, "policy_loss_full_value", loss, ref["policy_loss_full"][0], **FP32)
+    _close(res, "policy_loss_full_grad", leaf.grad, _shard(ref["policy_loss_full"][1], group), **FP32)
+    _close(res, "policy_loss_full_kl_metric", metrics["kl"], ref["kl_mean"], **FP32)
+    res["policy_loss_full_ref_has_no_grad"] = (None if ref_leaf.grad is None
+                                               else "the reference logits got a gradient")
 
     # chunking changes memory, never results
     chunked = _ours(c["logits"], c["ref_logits"], c, group, chunk_size=5)
@@ -326,6 +348,19 @@ def test_policy_loss_matches_full_vocab(tp):
 def test_policy_loss_grad_matches_full_vocab(tp):
     """Guards against loss gradients that are right at TP=1 but wrong per shard."""
     _ok(tp, "policy_loss_grad")
+
+
+def test_full_kl_policy_loss_and_grad_match_fp64_full_vocab(tp):
+    """Guards kl_kind="full" in the loss: the exact KL taken in the wrong direction
+    (KL(ref || pi)), summed over the local vocab shard only (no all-reduce), detached from
+    the policy (no KL gradient), or aggregated differently from the surrogate would move
+    the loss or its gradient w.r.t. the policy logits away from the fp64 reference."""
+    _ok(tp, "policy_loss_full_value", "policy_loss_full_grad", "policy_loss_full_kl_metric")
+
+
+def test_full_kl_policy_loss_sends_no_gradient_into_the_reference(tp):
+    """Guards against the frozen reference receiving a gradient through the exact KL."""
+    _ok(tp, "policy_loss_full_ref_has_no_grad")
 
 
 def test_chunk_size_gives_bitwise_identical_results(tp):

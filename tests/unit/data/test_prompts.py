@@ -107,11 +107,8 @@ def test_tokenizer_chat_template(tmp_path):
 
 
 def test_chat_messages_without_template_is_an_error(tmp_path, tok):
-    """Guards against chat rows silently rendered some made-up way when the tokenizer has no
-    chat template: the error names the row and the flag that fixes it."""
     path = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}])
-    with pytest.raises(DataError, match=r"chat.jsonl:1: the row holds chat messages but the tokenizer "
-                                        r"has no chat template; set one with --data.chat_template"):
+    with pytest.raises(DataError, match=r"chat.jsonl:1: prompt is a list of chat messages; set a chat_template"):
         PromptDataset(path, tok)
     ds = PromptDataset(path, tok, chat_template="Q: {prompt} A:")
     assert ds[0].text == "Q: hi A:"
@@ -196,23 +193,73 @@ def test_shard_for_replica_partitions_the_batch(n, dp):
         shard_for_replica(items, dp, dp)
 
 
-def test_messages_rows_render_with_the_tokenizers_chat_template(tmp_path):
-    """Guards against instruct-model prompts fed raw or half-rendered: a row holding
-    ``messages`` (no ``prompt`` field, no chat_template configured) must be rendered by the
-    tokenizer's own chat template with the generation prompt, keep its answer, and be
-    tokenized from exactly that text. The tiny test tokenizer carries a ChatML-style template."""
+# ---------------------------------------------------------------------------
+# Chat-formatted rows: ``messages`` instead of a prompt
+# ---------------------------------------------------------------------------
+
+CHAT_ROWS = [
+    {"messages": [{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "What is 2 + 3?"}], "answer": "5", "level": 1},
+    {"question": "What is 1 + 1?", "answer": "2", "level": 0},
+    {"messages": [{"role": "user", "content": "What is 4 + 4?"}], "answer": "8", "level": 2},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_tok(tmp_path_factory):
     from grpo_mega.data.tokenizer import HFTokenizer
     from grpo_mega.testing.tiny import build_tiny_tokenizer
 
-    tok = HFTokenizer(build_tiny_tokenizer(tmp_path / "tok", family="llama"))
-    rows = [{"messages": [{"role": "system", "content": "Be brief."},
-                          {"role": "user", "content": "What is 2 + 2?"}], "answer": "4"},
-            {"prompt": "plain 1 + 1 =", "answer": "2"}]
-    ds = PromptDataset(write_jsonl(tmp_path / "chat.jsonl", rows), tok, shuffle=False)
-    chat, plain = ds[0], ds[1]
-    assert chat.text == "<|system|>Be brief.\n<|user|>What is 2 + 2?\n<|assistant|>"
-    assert chat.reference == "4" and chat.uid == "chat.jsonl:1"
-    assert list(chat.token_ids) == tok.encode(chat.text)
-    assert plain.text == "plain 1 + 1 ="  # text prompts stay raw unless asked otherwise
-    forced = PromptDataset(write_jsonl(tmp_path / "p.jsonl", rows[1:]), tok, chat_template="tokenizer")
-    assert forced[0].text == "<|user|>plain 1 + 1 =\n<|assistant|>"
+    return HFTokenizer(build_tiny_tokenizer(tmp_path_factory.mktemp("tok") / "qwen2", "qwen2"))
+
+
+def test_messages_rows_render_with_the_tokenizers_chat_template(tmp_path, tiny_chat_tok):
+    """Guards against chat rows rendered without the model's turn markers (or
+    without the generation prompt), against a lost reference answer, and
+    against the messages leaking into the metadata."""
+    path = write_jsonl(tmp_path / "chat.jsonl", CHAT_ROWS)
+    ds = make(path, tiny_chat_tok, shuffle=False, metadata_fields=["*"])
+    first = ds[0]
+    assert first.text == ("<|im_start|>system\nBe brief.<|im_end|>\n"
+                          "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+    assert first.text == tiny_chat_tok.hf.apply_chat_template(
+        CHAT_ROWS[0]["messages"], tokenize=False, add_generation_prompt=True)
+    assert list(first.token_ids) == tiny_chat_tok.encode(first.text)
+    assert [p.reference for p in ds.prompts] == ["5", "2", "8"]
+    assert dict(first.metadata) == {"level": 1}
+    assert ds[1].text == "What is 1 + 1?"  # a plain-prompt row in the same file is unchanged
+    assert ds[2].text.endswith("<|im_start|>user\nWhat is 4 + 4?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_messages_rows_follow_an_explicit_chat_template(tmp_path, tiny_chat_tok):
+    """data.chat_template, when set, wins over the tokenizer's own template."""
+    path = write_jsonl(tmp_path / "chat.jsonl", CHAT_ROWS[2:])
+    ds = make(path, tiny_chat_tok, chat_template="Q: {prompt}\nA:")
+    assert ds[0].text == "Q: What is 4 + 4?\nA:"
+
+
+def test_messages_row_without_a_chat_template_names_the_row(tmp_path, tok):
+    """Guards against a chat row silently rendered as raw text (or crashing
+    deep inside transformers) when the tokenizer has no chat template: the
+    error must name the file and row and say how to fix it."""
+    path = write_jsonl(tmp_path / "chat.jsonl", CHAT_ROWS[1:])  # row 1 is plain, row 2 is chat
+    with pytest.raises(DataError, match=r"chat.jsonl:2: row holds chat 'messages' but the tokenizer "
+                                        r".* has no chat template.*data.chat_template"):
+        make(path, tok)
+
+
+def test_malformed_messages_rows_name_themselves(tmp_path, tiny_chat_tok):
+    """Guards against a reply-included conversation used as a prompt, and
+    against malformed messages reaching the template."""
+    ends_with_reply = {"messages": [{"role": "user", "content": "hi"},
+                                    {"role": "assistant", "content": "5"}], "answer": "5"}
+    path = write_jsonl(tmp_path / "bad.jsonl", [CHAT_ROWS[2], ends_with_reply])
+    with pytest.raises(DataError, match=r"bad.jsonl:2: field 'messages' ends with an assistant message"):
+        make(path, tiny_chat_tok)
+    path = write_jsonl(tmp_path / "bad2.jsonl", [{"messages": "hi", "answer": "1"}])
+    with pytest.raises(DataError, match=r"bad2.jsonl:1: field 'messages' must be a non-empty list"):
+        make(path, tiny_chat_tok)
+    path = write_jsonl(tmp_path / "bad3.jsonl", [{"text": "hi", "answer": "1"}])
+    with pytest.raises(DataError, match=r"bad3.jsonl:1: missing field 'question' and no chat "
+                                        r"'messages' field either"):
+        make(path, tiny_chat_tok)
