@@ -164,3 +164,30 @@ def test_unsupported_rope_scaling_is_refused_naming_type_and_file(tmp_path, rope
         convert.read_model_config(tmp_path)
     for w in words + [str(tmp_path / "config.json")]:
         assert w in str(err.value), str(err.value)
+
+
+def test_trainer_takes_rope_scaling_from_the_checkpoint(tmp_path):
+    """Guards against the trainer copying the shape from config.json but not the RoPE
+    scaling (it would build unscaled actor/reference models next to a scaled vLLM)."""
+    from grpo_mega.config import Config
+    from grpo_mega.trainer.trainer import _model_shape_from_hf
+
+    (tmp_path / "config.json").write_text(json.dumps(_hub_style(dict(CASES["yarn_mscale"]))))
+    cfg = Config()
+    cfg.model.hf_checkpoint = str(tmp_path)
+    _model_shape_from_hf(cfg)
+    m = cfg.model
+    assert (m.rope_scaling, m.rope_scaling_factor, m.rope_original_max_position_embeddings) == ("yarn", 4.0, 16)
+    assert (m.rope_beta_fast, m.rope_beta_slow, m.rope_mscale, m.rope_mscale_all_dim) == (16.0, 2.0, 1.2, 0.4)
+    assert m.rope_theta == 500000.0
+
+
+def test_config_refuses_unknown_rope_scaling_name():
+    """Guards against a typo in --model.rope_scaling reaching the model build."""
+    from grpo_mega.config import Config, ConfigError
+    from grpo_mega.preflight.validate import validate
+
+    cfg = Config()
+    cfg.model.rope_scaling = "dynamic"
+    with pytest.raises(ConfigError, match="model.rope_scaling"):
+        validate(cfg, 1, check_hardware=False)
