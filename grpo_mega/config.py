@@ -52,6 +52,31 @@ class ModelConfig:
     """SwiGLU intermediate size (each of gate and up)."""
     rope_theta: float = 10000.0
     """RoPE base."""
+    rope_scaling: str = "none"
+    """RoPE scaling, as in HF ``config.json``'s ``rope_scaling``/``rope_parameters``: ``none``,
+    ``linear`` (position interpolation: angles divided by ``rope_scaling_factor``), ``llama3``
+    (Llama-3.1 per-frequency scaling) or ``yarn`` (YaRN, with its attention factor). Read from
+    the checkpoint's config.json; other HF types (dynamic, longrope) are refused there."""
+    rope_scaling_factor: float = 1.0
+    """Context extension factor of ``rope_scaling`` (HF ``factor``)."""
+    rope_original_max_position_embeddings: Optional[int] = None
+    """Pre-training context length that ``llama3`` and ``yarn`` scale from (HF
+    ``original_max_position_embeddings``); null means ``max_position_embeddings``."""
+    rope_low_freq_factor: float = 1.0
+    """``llama3``: wavelengths above original_max_position_embeddings / this are divided by the factor."""
+    rope_high_freq_factor: float = 4.0
+    """``llama3``: wavelengths below original_max_position_embeddings / this are kept."""
+    rope_beta_fast: float = 32.0
+    """``yarn``: rotations below which a dimension is interpolated (HF ``beta_fast``)."""
+    rope_beta_slow: float = 1.0
+    """``yarn``: rotations above which a dimension is extrapolated (HF ``beta_slow``)."""
+    rope_mscale: Optional[float] = None
+    """``yarn``: HF ``mscale``; used only together with ``rope_mscale_all_dim``
+    (attention factor = mscale(factor, mscale) / mscale(factor, mscale_all_dim))."""
+    rope_mscale_all_dim: Optional[float] = None
+    """``yarn``: HF ``mscale_all_dim``; with neither set the attention factor is 0.1 ln(factor) + 1."""
+    rope_truncate: bool = True
+    """``yarn``: round the correction range to whole dimensions (HF ``truncate``)."""
     qkv_bias: bool = False
     """Bias on the QKV projection (Qwen2 uses one)."""
     tie_embeddings: bool = False

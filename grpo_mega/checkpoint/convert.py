@@ -114,7 +114,7 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
     if (p / META_FILE).is_file():
         meta = json.loads((p / META_FILE).read_text())
         return ModelConfig(**meta["model"])
-    return model_config_from_hf(read_hf_config(p))
+    return model_config_from_hf(read_hf_config(p), source=str(p / "config.json"))
 
 
 # =============================================================================== HF -> mcore
@@ -140,7 +140,7 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     """
     hf_dir, out = Path(hf_dir), Path(out_dir)
     hf_config = read_hf_config(hf_dir)
-    cfg = model_config_from_hf(hf_config)
+    cfg = model_config_from_hf(hf_config, source=str(hf_dir / "config.json"))
     reader = HFReader(hf_dir)
     check_hf_checkpoint(reader, cfg)
     _check_out(out, overwrite)
@@ -254,7 +254,7 @@ def mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         raise CheckpointError(f"checkpoint directory {ckpt} does not exist")
     src = Path(hf_config_dir) if hf_config_dir else ckpt / HF_SIDE_DIR
     if hf_config_dir is not None:
-        cfg = model_config_from_hf(read_hf_config(src))
+        cfg = model_config_from_hf(read_hf_config(src), source=str(src / "config.json"))
     elif (ckpt / META_FILE).is_file():
         cfg = read_model_config(ckpt)
     else:
@@ -342,7 +342,8 @@ def load_hf_weights(model, hf_dir: str | os.PathLike, ps, model_cfg: Optional[Mo
     from grpo_mega.models import layout as mcore_layout
     from grpo_mega.models import unwrap_model
 
-    cfg = model_cfg or model_config_from_hf(read_hf_config(hf_dir))
+    cfg = model_cfg or model_config_from_hf(read_hf_config(hf_dir),
+                                             source=str(Path(hf_dir) / "config.json"))
     reader = HFReader(hf_dir)
     check_hf_checkpoint(reader, cfg)
     per = cfg.num_layers // ps.pp

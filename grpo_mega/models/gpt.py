@@ -1,7 +1,8 @@
 """Actor and reference megatron-core GPTModels for the Llama / Qwen2 families.
 
 Both are built from ``ModelConfig`` for this rank's pipeline stage and TP shard:
-RMSNorm, SwiGLU, RoPE (configurable base), GQA, optional QKV bias, tied or
+RMSNorm, SwiGLU, RoPE (configurable base; linear / llama3 / yarn scaling, see
+``models.rope``), GQA, optional QKV bias, tied or
 untied embeddings, vocabulary padded for TP. The Transformer Engine layer spec
 is used when TE imports cleanly (and a GPU is present); otherwise the local spec.
 
@@ -23,6 +24,7 @@ from grpo_mega.config import ModelConfig
 from grpo_mega.distributed.state import ParallelState
 from grpo_mega.distributed.schedule import causal_mask
 from grpo_mega.models.precision import fp8_enabled, fp8_transformer_fields, te_available
+from grpo_mega.models.rope import finish_rotary, gpt_model_rope_kwargs, set_yarn_fields
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +87,9 @@ def transformer_config(m: ModelConfig, ps: ParallelState, *, use_te: bool, fp8: 
         raise ValueError(f"model.fp8={m.fp8} needs the Transformer Engine layer spec, which needs TE "
                          f"and a GPU (--model.fp8=none)")
     kwargs.update(fp8_transformer_fields(m, enabled=fp8))
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    set_yarn_fields(config, m)
+    return config
 
 
 def layer_spec(m: ModelConfig, use_te: bool):
@@ -113,8 +117,9 @@ def build_model(m: ModelConfig, ps: ParallelState, *, frozen: bool = False,
         max_sequence_length=m.max_position_embeddings,
         pre_process=ps.is_first_stage, post_process=ps.is_last_stage,
         parallel_output=True, share_embeddings_and_output_weights=m.tie_embeddings,
-        position_embedding_type="rope", rotary_base=int(m.rope_theta),
+        **gpt_model_rope_kwargs(m),
     )
+    finish_rotary(model, m)
     model.to(ps.device)
     model.grpo_vocab_size = m.vocab_size
     if frozen:

@@ -8,20 +8,12 @@ from typing import Mapping
 from grpo_mega.config import ModelConfig
 from grpo_mega.models import hf as hf_tables
 from grpo_mega.models.hf import HF_CLASSES, HF_MODEL_TYPES, MappingError
+from grpo_mega.models.rope import rope_fields_from_hf, rope_scaling_to_hf
 
 
-def _rope_theta(hf: Mapping) -> float:
-    # transformers 5 moved rope_theta into rope_parameters
-    if "rope_theta" in hf:
-        return float(hf["rope_theta"])
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if params.get("rope_type", "default") not in ("default", None):
-        raise MappingError(f"rope_type {params.get('rope_type')!r} (RoPE scaling) is not supported")
-    return float(params.get("rope_theta", 10000.0))
-
-
-def model_config_from_hf(hf: Mapping, **overrides) -> ModelConfig:
-    """``ModelConfig`` from an HF ``config.json`` dict (``overrides`` win)."""
+def model_config_from_hf(hf: Mapping, source: str = "config.json", **overrides) -> ModelConfig:
+    """``ModelConfig`` from an HF ``config.json`` dict (``overrides`` win); ``source`` names
+    the file in errors."""
     mtype = hf.get("model_type")
     if mtype not in HF_MODEL_TYPES:
         raise MappingError(f"unknown model family: HF model_type {mtype!r} (architectures "
@@ -47,12 +39,13 @@ def model_config_from_hf(hf: Mapping, **overrides) -> ModelConfig:
         family=family, vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
         num_layers=int(hf["num_hidden_layers"]), num_attention_heads=heads,
         num_query_groups=int(hf.get("num_key_value_heads") or heads), head_dim=head_dim,
-        ffn_hidden_size=int(hf["intermediate_size"]), rope_theta=_rope_theta(hf),
+        ffn_hidden_size=int(hf["intermediate_size"]),
         qkv_bias=qkv_bias, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         dtype="bfloat16" if dtype == "bfloat16" else "float32",
     )
+    kwargs.update(rope_fields_from_hf(hf, source))
     kwargs.update(overrides)
     return ModelConfig(**kwargs)
 
@@ -69,6 +62,9 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict:
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_embeddings, "torch_dtype": cfg.dtype,
     }
+    scaling = rope_scaling_to_hf(cfg)
+    if scaling is not None:
+        out["rope_scaling"] = scaling
     if cfg.family != "qwen2":
         out["attention_bias"] = False
         out["head_dim"] = hf_tables.head_dim_of(cfg)

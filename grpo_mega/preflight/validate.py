@@ -36,8 +36,10 @@ def registry_choices() -> dict:
     newly registered variant is accepted with no edit here."""
     from grpo_mega import algorithms as A
     from grpo_mega.models.precision import FP8_FORMATS, FP8_RECIPES
+    from grpo_mega.models.rope import ROPE_SCALINGS
 
     return {
+        ("model", "rope_scaling"): ROPE_SCALINGS,
         ("model", "fp8"): tuple(FP8_FORMATS),
         ("model", "fp8_recipe"): tuple(FP8_RECIPES),
         ("algorithm", "advantage"): A.ADVANTAGE_ESTIMATORS.names(),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -110,10 +111,12 @@ def _model_shape_from_hf(cfg: Config) -> None:
     path = Path(cfg.model.hf_checkpoint)
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.hf_checkpoint={str(path)!r} has no config.json (--model.hf_checkpoint)")
-    hf = model_config_from_hf(json.loads((path / "config.json").read_text()))
-    for f in ("family", "vocab_size", "hidden_size", "num_layers", "num_attention_heads",
-              "num_query_groups", "head_dim", "ffn_hidden_size", "rope_theta", "qkv_bias",
-              "tie_embeddings", "norm_eps", "max_position_embeddings"):
+    hf = model_config_from_hf(json.loads((path / "config.json").read_text()),
+                              source=str(path / "config.json"))
+    rope = [f.name for f in dataclasses.fields(hf) if f.name.startswith("rope_")]
+    for f in ["family", "vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+              "num_query_groups", "head_dim", "ffn_hidden_size", "qkv_bias",
+              "tie_embeddings", "norm_eps", "max_position_embeddings", *rope]:
         setattr(cfg.model, f, getattr(hf, f))
 
 

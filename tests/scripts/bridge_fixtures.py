@@ -26,15 +26,20 @@ VARIANTS = {
 def write_hf_checkpoint(out_dir, family: str, *, tie: bool, vocab_size: int = 300,
                         hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
                         num_kv_heads: int = 2, intermediate_size: int = 192, seed: int = 0,
-                        std: float = 0.05) -> Path:
-    """Write config.json + model.safetensors of a random ``family`` model; returns the dir."""
+                        std: float = 0.05, max_position_embeddings: int = 256,
+                        rope_scaling: dict | None = None) -> Path:
+    """Write config.json + model.safetensors of a random ``family`` model; returns the dir.
+    ``rope_scaling`` is HF's dict (``{"rope_type": "llama3", ...}``)."""
     import transformers
 
     cls = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
     kwargs = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
                   num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
                   intermediate_size=intermediate_size, tie_word_embeddings=tie,
-                  max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+                  max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
+                  bos_token_id=1, eos_token_id=2)
+    if rope_scaling is not None:
+        kwargs["rope_scaling"] = dict(rope_scaling)
     if family == "qwen3":
         kwargs["head_dim"] = hidden_size // num_heads
     config = getattr(transformers, cls + "Config")(**kwargs)

@@ -32,7 +32,6 @@ VARIANTS = {
     "qwen2_bias": ("qwen2", True),
     "qwen3_qknorm": ("qwen3", False),
 }
-HF_ONLY = ("qwen3_qknorm",)  # mapping checked at TP1 / TP2xPP2 without a checkpoint round trip
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp) at world 4; dp = 4 / (tp * pp)
 SMALL_BUCKET = 96 * 1024  # bytes: several buckets per stage for these tiny models
 STALE_VICTIM = "model.layers.1.self_attn.v_proj.bias"  # rank 3's engine misses it
@@ -107,28 +106,6 @@ def _transformers_logits_diff(hf_dir: Path, model, cfg) -> float:
     with torch.no_grad():
         ours = forward_logits(model, tokens)[..., :cfg.vocab_size]
         return float((ours - hf(tokens).logits).abs().max())
-
-
-def _hf_only_checks(rank: int, root: Path, vname: str, report: dict) -> None:
-    """A variant checked without the dist checkpoint: HF weights loaded directly
-    (``load_hf_weights``), logits vs transformers at TP1, bitwise export at TP2xPP2."""
-    from grpo_mega.checkpoint import convert
-    from grpo_mega.bridge import export_hf_weights
-    from grpo_mega.models import build_model
-
-    hf_dir = root / vname / "hf"
-    original = read_hf_tensors(hf_dir)
-    cfg = convert.read_model_config(hf_dir)
-    for tp, pp in ((1, 1), (2, 2)):
-        ps = _reinit(tp, pp)
-        model = build_model(cfg, ps)
-        convert.load_hf_weights(model, hf_dir, ps, cfg)
-        if (tp, pp) == (1, 1):
-            if rank == 0:
-                report[f"logits {vname}"] = _transformers_logits_diff(hf_dir, model, cfg)
-            continue
-        exported = dict(export_hf_weights(model, cfg, ps, bucket_bytes=SMALL_BUCKET))
-        report[f"export {vname} tp{tp} pp{pp}"] = _diff(exported, original)
 
 
 def _variant_checks(rank: int, root: Path, vname: str, report: dict) -> None:
@@ -237,8 +214,7 @@ def _rank_main(rank: int, world: int, root: str) -> dict:
     report: dict = {}
     start = time.perf_counter()
     for vname in VARIANTS:
-        check = _hf_only_checks if vname in HF_ONLY else _variant_checks
-        check(rank, Path(root), vname, report)
+        _variant_checks(rank, Path(root), vname, report)
         report[f"seconds after {vname}"] = time.perf_counter() - start
     _bridge_checks(rank, Path(root), report)
     report["seconds"] = time.perf_counter() - start

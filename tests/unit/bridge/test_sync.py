@@ -108,8 +108,24 @@ class Rig:
     steps: int = 0
 
 
+# The rig's model families. Every rig test names its families (qwen2 first, so pytest
+# groups the tests by family and starts each engine once): the Qwen2 case has the most
+# ways to go stale (tied embeddings + QKV bias); Qwen3 adds QK-norm; llama3_rope is a
+# Llama-3.1-style checkpoint whose rope_scaling (non-default low/high factors) vLLM reads
+# from config.json and the trainer from ModelConfig, so the two must agree.
+RIG_CHECKPOINTS = {
+    "qwen2_bias": dict(family="qwen2", tie=True, seed=11),
+    "qwen3_qknorm": dict(family="qwen3", tie=False, seed=12),
+    "llama3_rope": dict(family="llama", tie=False, seed=13, max_position_embeddings=64,
+                        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.5,
+                                      "high_freq_factor": 6.0, "original_max_position_embeddings": 8}),
+}
+QWEN2_RIG = pytest.mark.parametrize("rig", ["qwen2_bias"], indirect=True)
+EVERY_RIG = pytest.mark.parametrize("rig", list(RIG_CHECKPOINTS), indirect=True)
+
+
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory):
+def rig(request, tmp_path_factory):
     if not HAS_VLLM:
         pytest.skip("vllm is not installed")
     saved = {k: os.environ.get(k) for k in VLLM_ENV}
@@ -118,8 +134,8 @@ def rig(tmp_path_factory):
     from grpo_mega.models import build_model
     from grpo_mega.distributed.state import init_parallel
 
-    # Tied embeddings + QKV bias: the Qwen2 case with the most ways to go stale.
-    hf_dir = write_hf_checkpoint(tmp_path_factory.mktemp("e2e") / "qwen2", "qwen2", tie=True, seed=11)
+    kwargs = dict(RIG_CHECKPOINTS[request.param])
+    hf_dir = write_hf_checkpoint(tmp_path_factory.mktemp("e2e") / request.param, kwargs.pop("family"), **kwargs)
     cfg = convert.read_model_config(hf_dir)
     if not torch.distributed.is_initialized():  # file rendezvous: no port to race for
         store = tmp_path_factory.mktemp("world") / "store"
@@ -235,12 +251,16 @@ def _bridge(rig, engine, **kw):
 
 
 @pytest.mark.vllm
+@EVERY_RIG
 def test_engine_starts_with_the_trainers_weights(rig):
-    """Guards the rig itself: the converted megatron model and vLLM agree before any step."""
+    """Guards the rig itself: the converted megatron model and vLLM agree before any step;
+    for llama3_rope, against the trainer ignoring (or mis-scaling) the rope_scaling that
+    vLLM applies from the same config.json."""
     assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), _trainer_logprobs(rig, SEQS)) <= TOL
 
 
 @pytest.mark.vllm
+@EVERY_RIG
 def test_sync_after_training_step_makes_vllm_logprobs_match_trainer(rig):
     """Guards against the whole bridge being wrong or not applied: after a step and a
     sync, vLLM's prompt and sampled-token logprobs equal the trainer's (1e-4, fp32)
@@ -253,8 +273,9 @@ def test_sync_after_training_step_makes_vllm_logprobs_match_trainer(rig):
 
     engine = Recording(rig.engine)
     stats = _bridge(rig, engine).sync()
-    assert (stats.tensors, stats.verified_tensors, engine.resets, engine.probes) == (26, 26, 1, 1)
-    hf_bytes = sum(t.numel() * t.element_size() for t in read_hf_tensors(rig.hf_dir).values())
+    hf = read_hf_tensors(rig.hf_dir)
+    assert (stats.tensors, stats.verified_tensors, engine.resets, engine.probes) == (len(hf), len(hf), 1, 1)
+    hf_bytes = sum(t.numel() * t.element_size() for t in hf.values())
     assert stats.bytes == hf_bytes  # vocabulary padding and the tied lm_head are not sent
     assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), trainer) <= TOL
     samples = _engine_samples(rig.engine.llm, [s[:4] for s in SEQS])
@@ -263,6 +284,7 @@ def test_sync_after_training_step_makes_vllm_logprobs_match_trainer(rig):
 
 
 @pytest.mark.vllm
+@QWEN2_RIG
 def test_sync_that_skips_a_tensor_is_caught(rig):
     """Guards against training on with a stale engine: a sync that misses one module
     (stale weights) or one tensor of a fused layer (k without q, v: vLLM then rebuilds
@@ -296,6 +318,7 @@ class PlainReload:
 
 
 @pytest.mark.vllm
+@QWEN2_RIG
 def test_stale_tied_lm_head_after_plain_reload_is_caught(rig):
     """Guards against vLLM-CPU's tied lm_head keeping its prepacked copy of the OLD
     embedding after reload_weights (embedding new, logits old). Reading parameters
@@ -310,6 +333,7 @@ def test_stale_tied_lm_head_after_plain_reload_is_caught(rig):
 
 
 @pytest.mark.vllm
+@QWEN2_RIG
 def test_one_module_buckets_and_shm_file_transport(rig, monkeypatch):
     """Guards against bucketing that splits a fused vLLM layer, and against the
     /dev/shm path (what a child-process engine uses) losing or leaking files."""
@@ -340,6 +364,7 @@ def test_one_module_buckets_and_shm_file_transport(rig, monkeypatch):
 
 
 @pytest.mark.vllm
+@QWEN2_RIG
 def test_verification_can_be_switched_off(rig):
     """Guards the switch: verify=False must not probe the engine (and still sync)."""
     _train_step(rig)
@@ -401,6 +426,7 @@ class TorchEngine:
 
 
 @pytest.mark.vllm
+@QWEN2_RIG
 def test_bridge_drives_any_engine_implementing_the_protocol(rig):
     """Guards against the bridge depending on vLLM internals (an ``.llm``, worker
     RPCs, transports): a torch-only engine implementing RolloutEngineProtocol gets
@@ -426,6 +452,7 @@ def test_bridge_drives_any_engine_implementing_the_protocol(rig):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@QWEN2_RIG
 def test_child_process_engine_receives_buckets_through_shm(rig):
     """Guards the separate-process path end to end: a RolloutEngine in child mode
     (engine core in a child process) gets every bucket as a safetensors file in

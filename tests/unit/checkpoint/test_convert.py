@@ -24,7 +24,7 @@ from tests.scripts.bridge_fixtures import read_hf_tensors, write_hf_checkpoint
 from tests import REPO
 
 REPO = REPO
-ROUND_TRIP = [v for v in bridge_ranks.VARIANTS if v not in bridge_ranks.HF_ONLY]
+ROUND_TRIP = list(bridge_ranks.VARIANTS)
 
 
 @pytest.fixture(scope="module")
