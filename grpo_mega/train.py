@@ -87,7 +87,7 @@ def run(t: Trainer) -> dict:
             raise RuntimeError(f"{bad_steps} consecutive steps with NaN/inf; stopping. The last good "
                                f"checkpoint is kept in {t.ckpt_dir} (lower --optimizer.lr?)")
         if cfg.algorithm.ref_reset_every and t.step % cfg.algorithm.ref_reset_every == 0 and t.ref is not None:
-            t.ref.load_state_dict(t.model.state_dict())  # iterative GRPO: ref <- current policy
+            S.reset_reference(t)
         if (every and t.step % every == 0) or t.step == steps:  # the final one always runs
             last_eval = m["eval_accuracy"] = S.evaluate(t, t.step)
         t.eval_last = last_eval

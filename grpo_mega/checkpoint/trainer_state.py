@@ -2,7 +2,9 @@
 
 A checkpoint holds the model, the optimizer state (Adam moments, and fp32 master
 weights when training in bf16, resharded like the model),
-the step, the data position, the LR schedule position and the model shape. It is
+the step, the data position, the LR schedule position and the model shape; and the
+reference model whenever it is no longer the initial weights (iterative GRPO resets it
+to the policy), under its own keys and resharded the same way. It is
 saved in megatron's ``torch_dist`` format, so a run saved at one TP/PP layout
 resumes at another. Per-rank RNG states are stored beside it and restored only
 when the layout is unchanged (they have no meaning in another layout).
@@ -61,6 +63,13 @@ def _optimizer_sharded(model_sd: dict, optimizer) -> dict:
     return out
 
 
+def _reference_sharded(ref_sd: dict) -> dict:
+    """The reference's sharded entries under keys of their own: its module names are the
+    policy's, and one checkpoint cannot hold two tensors under one key."""
+    return {path: dataclasses.replace(sh, key=f"reference.{sh.key}") for path, sh in _flatten(ref_sd)
+            if dataclasses.is_dataclass(sh) and hasattr(sh, "key")}
+
+
 def _barrier():
     if dist.is_initialized():
         dist.barrier()
@@ -81,8 +90,10 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: ParallelState,
-                    common: dict, keep_last: int = 2) -> Path:
-    """Collective. ``common`` (JSON-able: data position, config, ...) is stored by rank 0."""
+                    common: dict, keep_last: int = 2, reference=None) -> Path:
+    """Collective. ``common`` (JSON-able: data position, config, ...) is stored by rank 0.
+    ``reference``: the reference model, when it must be stored (it differs from the
+    initial weights); ``common`` should then say so (see ``load_checkpoint``)."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -96,6 +107,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: Pa
     _barrier()
     model_sd = sharded_state_dict(model, ps)
     sharded = {"model": model_sd, "optimizer": _optimizer_sharded(model_sd, optimizer)}
+    if reference is not None:
+        sharded["reference"] = _reference_sharded(sharded_state_dict(reference, ps))
     dist_checkpointing.save(sharded, str(tmp))
     torch.save({"rng_cpu": torch.get_rng_state(), "layout": (ps.tp, ps.pp, ps.dp),
                 "adam_step": optimizer.adam_step},
@@ -118,8 +131,10 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: Pa
 
 
 def load_checkpoint(path: str | os.PathLike, model, optimizer, ps: ParallelState,
-                    model_cfg=None) -> dict:
-    """Load into the built model (any layout) and optimizer; returns the saved common dict."""
+                    model_cfg=None, reference=None) -> dict:
+    """Load into the built model (any layout) and optimizer; returns the saved common dict.
+    ``reference`` is loaded too when the checkpoint holds one (``reference_step`` > 0 in
+    its common dict); otherwise it is left as built (the initial weights)."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -140,11 +155,18 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, ps: ParallelState
     sharded = {"model": model_sd}
     if optimizer is not None:
         sharded["optimizer"] = _optimizer_sharded(model_sd, optimizer)
+    load_reference = reference is not None and meta.get("reference_step", 0) > 0
+    if load_reference:
+        sharded["reference"] = _reference_sharded(sharded_state_dict(reference, ps))
     try:
         loaded = dist_checkpointing.load(sharded, str(path))
     except Exception as e:  # noqa: BLE001 - re-raised with the path and the fix
         raise CheckpointError(f"could not load checkpoint {path}: {e}") from e
     model.load_state_dict(loaded["model"], strict=False)
+    if load_reference:
+        missing = reference.load_state_dict(loaded["reference"], strict=False).missing_keys
+        if [k for k in missing if not k.endswith("_extra_state")]:
+            raise CheckpointError(f"{path}: the stored reference model lacks {missing[:3]}...")
     if optimizer is not None:
         by_key = {}
         for path_, sh in _flatten(model_sd):

@@ -258,13 +258,22 @@ def evaluate(t: Trainer, step: int) -> float:
 
 # ---------------------------------------------------------------------- checkpoint
 
+def reset_reference(t: Trainer) -> None:
+    """Iterative GRPO (DeepSeekMath 4.2): the reference becomes the current policy."""
+    t.ref.load_state_dict(t.model.state_dict())
+    t.ref_step = t.step
+
+
 def checkpoint(t: Trainer) -> None:
-    """Model, optimizer, data position, scheduler and eval results, resumable at any layout."""
+    """Model, optimizer, data position, scheduler and eval results, resumable at any layout;
+    the reference too once a reset has made it differ from the initial weights."""
     from grpo_mega.checkpoint import save_checkpoint
 
     common = {"model": dataclasses.asdict(t.cfg.model), "data": t.dataset.state_dict(),
               "scheduler": t.scheduler.state_dict(), "eval_initial": t.eval_initial,
-              "eval_last": t.eval_last}
+              "eval_last": t.eval_last, "reference_step": t.ref_step}
+    stored_ref = t.ref if t.ref is not None and t.ref_step > 0 else None
     path = save_checkpoint(t.ckpt_dir, t.step, t.model, t.optimizer, t.ps,
-                           json.loads(json.dumps(common, default=str)), keep_last=t.cfg.checkpoint.keep_last)
+                           json.loads(json.dumps(common, default=str)), keep_last=t.cfg.checkpoint.keep_last,
+                           reference=stored_ref)
     t.say(f"checkpoint saved: {path}")

@@ -58,6 +58,8 @@ class Trainer:
     step: int = 0
     eval_initial: Optional[float] = None
     eval_last: Optional[float] = None
+    ref_step: int = 0
+    """The step whose policy the reference holds (iterative GRPO); 0: the initial weights."""
     started: float = field(default_factory=time.time)
 
     @property
@@ -179,7 +181,7 @@ def build_trainer(argv=None) -> Trainer:
     meta = None
     if latest is not None:
         say(f"resuming from {latest}")
-        meta = load_checkpoint(latest, model, optimizer, ps, cfg.model)
+        meta = load_checkpoint(latest, model, optimizer, ps, cfg.model, reference=ref)
         dataset.load_state_dict(meta["data"])
         scheduler.load_state_dict(meta["scheduler"])
 
@@ -225,5 +227,6 @@ def build_trainer(argv=None) -> Trainer:
                 scorer=scorer, sink=sink, ckpt_dir=ckpt_dir)
     if meta is not None:
         t.step, t.eval_initial, t.eval_last = meta["step"], meta.get("eval_initial"), meta.get("eval_last")
+        t.ref_step = meta.get("reference_step", 0) if ref is not None else 0
     say(f"ready: {cfg.algorithm.steps} steps of {cfg.data.prompts_per_step} prompts x {r.n} samples")
     return t

@@ -39,13 +39,28 @@ def _weights(ckpt: Path) -> dict:
     return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 
-def test_sigkilled_run_resumes_to_the_same_weights(tmp_path):
-    """Guards against resume bugs: a lost data position, optimizer moments, scheduler or
-    engine weights all change the trajectory. A run SIGKILLed after its step-4 checkpoint
-    and re-run with the same command must end bitwise-close to an uninterrupted run.
-    A half-written checkpoint (.tmp) left by the kill must be ignored."""
+RESET = ["--algorithm.ref_reset_every=3"]  # iterative GRPO: resets after steps 3 and 6
+
+
+def _metric(run: Path, key: str) -> dict:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in rows if key in r}
+
+
+def test_sigkilled_run_resumes_to_the_same_weights_past_a_ref_reset(tmp_path):
+    """Guards against resume bugs: a lost data position, optimizer moments, scheduler,
+    engine weights or reference model all change the trajectory. A run SIGKILLed after its
+    step-4 checkpoint and re-run with the same command must end bitwise-close to an
+    uninterrupted run. A half-written checkpoint (.tmp) left by the kill must be ignored.
+
+    With iterative GRPO (ref_reset every 3 steps) the step-4 checkpoint must hold the
+    reference reset at step 3: a resume that fell back to the initial reference (the
+    reference once was never checkpointed) changes the KL of steps 5 and 6. Also checked
+    on the uninterrupted run: no reference is stored before the first reset (step 2), the
+    stored one at step 4 is the step-3 policy (neither step 2's nor step 4's), and after the
+    reset at step 6 the reference equals the policy bitwise."""
     straight = tmp_path / "straight"
-    r = subprocess.run(_cmd(straight), env=ENV, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(_cmd(straight) + RESET, env=ENV, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["eval_accuracy_initial"] is not None
@@ -55,7 +70,7 @@ def test_sigkilled_run_resumes_to_the_same_weights(tmp_path):
     assert (straight / "reward.png").exists()
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_cmd(killed), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(_cmd(killed) + RESET, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     deadline = time.time() + 900
     for line in proc.stdout:
@@ -68,9 +83,12 @@ def test_sigkilled_run_resumes_to_the_same_weights(tmp_path):
     assert not (killed / "summary.json").exists()
     # what a kill in the middle of the next save leaves behind
     (killed / "checkpoints" / "step_00000006.tmp").mkdir()
-    r = subprocess.run(_cmd(killed), env=ENV, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(_cmd(killed) + RESET, env=ENV, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "resuming from" in r.stdout and "step_00000004" in r.stdout
+    kl_a, kl_b = _metric(straight, "kl"), _metric(killed, "kl")
+    for step in (5, 6):  # computed against the step-3 reference in both runs
+        assert abs(kl_a[step] - kl_b[step]) <= 1e-6 * max(1.0, abs(kl_a[step])), (step, kl_a, kl_b)
 
     a = _weights(straight / "checkpoints" / "step_00000006")
     b = _weights(killed / "checkpoints" / "step_00000006")
@@ -79,7 +97,20 @@ def test_sigkilled_run_resumes_to_the_same_weights(tmp_path):
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=k)
     initial = _weights(straight / "checkpoints" / "step_00000002")
-    assert any(not torch.equal(initial[k], a[k]) for k in model_keys), "weights never changed"
+    policy_keys = [k for k in model_keys if not k.startswith("reference.")]
+    assert any(not torch.equal(initial[k], a[k]) for k in policy_keys), "weights never changed"
+
+    # the reference in the checkpoints of the uninterrupted run
+    meta = lambda step: json.loads((straight / "checkpoints" / f"step_{step:08d}" / "grpo_meta.json").read_text())  # noqa: E731
+    assert [meta(s)["reference_step"] for s in (2, 4, 6)] == [0, 3, 6]
+    assert not [k for k in initial if k.startswith("reference.")], "a reference stored before any reset"
+    four = _weights(straight / "checkpoints" / "step_00000004")
+    ref_keys = [k for k in policy_keys if not k.startswith("optimizer.") and f"reference.{k}" in four]
+    assert ref_keys and len(ref_keys) == len([k for k in four if k.startswith("reference.")])
+    assert any(not torch.equal(four[f"reference.{k}"], four[k]) for k in ref_keys)  # step 4 moved on
+    assert any(not torch.equal(four[f"reference.{k}"], initial[k]) for k in ref_keys)  # step 3 moved
+    for k in ref_keys:  # reset after step 6, before its checkpoint
+        assert torch.equal(a[f"reference.{k}"], a[k]), k
 
 
 def test_missing_paths_and_empty_eval_set_fail_clearly(tmp_path):
