@@ -177,7 +177,10 @@ class AlgorithmConfig:
     ``triton`` (the fused kernel in grpo_mega.algorithms.vocab_parallel_triton; CUDA and Triton) or ``auto``
     (triton where it can run, else torch). Both compute the same quantities."""
     advantage: str = "outcome"
-    """``outcome`` (group z-score) or ``process`` (per-step rewards)."""
+    """``outcome`` (group z-score of one reward per sample) or ``process`` (DeepSeekMath
+    process supervision: every reward function returns ``grpo_mega.rewards.StepScores``,
+    step rewards are normalised over the group and a token's advantage is the sum of the
+    normalised rewards of the steps ending at or after it)."""
     norm: str = "std"
     """Advantage normalisation: ``std`` (GRPO) or ``none`` (Dr. GRPO)."""
     baseline: str = "mean"

@@ -6,8 +6,8 @@
 * ``process_advantages``: DeepSeekMath process supervision (per-step rewards).
 
 ``ADVANTAGE_ESTIMATORS`` names the two estimators; ``algorithm.advantage`` in config
-is validated against it (``process`` is then refused by validation, with the reason:
-the rule-based reward pipeline produces no per-step rewards yet).
+is validated against it (``process`` needs rewards that return step scores:
+``grpo_mega.rewards.StepScores``).
 """
 from __future__ import annotations
 
@@ -120,8 +120,9 @@ def process_advantages(step_rewards: Tensor, step_end_index: Tensor, group_size:
         step_rewards:   [B, S] float, reward of step j of response b.
         step_end_index: [B, S] int, token index (0-based, inclusive, within the
             response) of the LAST token of step j; -1 marks padding. In each
-            row the real steps come first, strictly increasing and
-            < response_len, followed only by -1. B = num_prompts * group_size,
+            row the real steps come first, non-decreasing and < response_len,
+            followed only by -1 (two steps end at the same token when one token
+            straddles their boundary in the text; it is credited with both). B = num_prompts * group_size,
             each group's G responses contiguous. S is the max step count; rows
             may have fewer steps (even none).
         response_len:   T, width of the returned per-token tensor.
@@ -151,8 +152,8 @@ def process_advantages(step_rewards: Tensor, step_end_index: Tensor, group_size:
     if s > 1:
         if bool((valid[:, 1:] & ~valid[:, :-1]).any()):
             raise ValueError("step_end_index: padding (-1) must only trail the real steps of a row")
-        if bool((valid[:, 1:] & (ends[:, 1:] <= ends[:, :-1])).any()):
-            raise ValueError("step_end_index must be strictly increasing within a row")
+        if bool((valid[:, 1:] & (ends[:, 1:] < ends[:, :-1])).any()):
+            raise ValueError("step_end_index must be non-decreasing within a row")
     r = _float(step_rewards)
     if not bool(torch.isfinite(r[valid]).all()):
         raise ValueError("step_rewards contain NaN or inf at real steps")

@@ -144,12 +144,11 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
     if m.ffn_hidden_size % p.tp:
         raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}")
     _check_rewards(cfg)
-    if a.advantage == "process":
-        # algorithms.process_advantages implements the math; the reward pipeline only
-        # produces one score per sample, so there are no step rewards to feed it yet.
-        raise ConfigError("algorithm.advantage=process needs per-step rewards from a process "
-                          "reward model, which the rule-based reward pipeline does not produce yet "
-                          "(--algorithm.advantage=outcome)")
+    if a.advantage == "process" and a.dynamic_sampling:
+        # DAPO's filter judges a group by one reward per sample; a group whose samples
+        # share a mean step score can still carry step-level signal.
+        raise ConfigError("algorithm.dynamic_sampling does not apply to algorithm.advantage=process "
+                          "(--algorithm.dynamic_sampling=false)")
     if a.clip_low < 0 or a.clip_high < 0:
         raise ConfigError("algorithm.clip_low/clip_high must be >= 0")
     if a.dual_clip is not None and a.dual_clip <= 1:

@@ -10,7 +10,9 @@ DAPO-style dynamic sampling. Imports nothing of the training stack.
   ``format``, ``dapo_overlong`` and ``length``;
 * ``scorer``: :class:`RewardScorer`, a spawn process pool with per-sample
   timeouts and an error policy (``on_error="raise"`` or ``"zero"``);
-* ``filters``: :func:`filter_uniform_groups`, DAPO's dynamic sampling.
+* ``filters``: :func:`filter_uniform_groups`, DAPO's dynamic sampling;
+* ``steps``: :class:`StepScores`, what a step-scored (process-supervision)
+  reward returns instead of a float.
 """
 from grpo_mega.rewards.filters import GroupFilter, filter_uniform_groups
 from grpo_mega.rewards.math import (
@@ -34,11 +36,12 @@ from grpo_mega.rewards.scorer import (
     RewardScorer,
     score_samples,
 )
+from grpo_mega.rewards.steps import StepScores
 
 __all__ = [
     "RewardFn", "REWARD_REGISTRY", "register_reward", "resolve_reward", "check_reward_kwargs",
     "RewardSpec", "RewardSample", "RewardFailure", "RewardResult", "RewardError",
-    "RewardScorer", "score_samples",
+    "RewardScorer", "score_samples", "StepScores",
     "extract_answer", "parse_number", "answers_equivalent", "math_verify_equivalent",
     "math_reward", "format_reward", "dapo_overlong_reward", "length_reward",
     "GroupFilter", "filter_uniform_groups",

@@ -1,7 +1,9 @@
 """The reward registry: name -> reward function, and ``module:function`` resolution.
 
 A reward function has the signature
-``fn(prompt: str, completion: str, reference: str | None, metadata: dict, **kwargs) -> float``.
+``fn(prompt: str, completion: str, reference: str | None, metadata: dict, **kwargs) -> float``,
+or ``-> StepScores`` for per-step rewards (``algorithm.advantage=process``; see
+``grpo_mega.rewards.steps``).
 Built-ins (``grpo_mega.rewards.math``) register themselves by name with the
 :func:`register_reward` decorator; a custom function is named
 ``"package.module:function"`` and imported on use, which is also how a spawned

@@ -16,6 +16,9 @@ its reward names again (registered names, or ``module:function`` imports).
 The rollout adds two keys to each sample's metadata (copied, never mutated):
 ``response_length`` (tokens) and ``finish_reason`` ("stop" or "length"); the
 length penalties read them.
+
+A reward may return :class:`~grpo_mega.rewards.steps.StepScores` (process
+supervision); ``RewardResult.steps`` then carries the weighted step scores.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Mapping, Sequence
 
 from grpo_mega.rewards.registry import RewardFn, RewardSpec, check_reward_kwargs, resolve_reward
+from grpo_mega.rewards.steps import StepScores
 
 __all__ = [
     "RewardSample", "RewardFailure", "RewardResult", "RewardError", "RewardScorer",
@@ -69,6 +73,10 @@ class RewardResult:
     """Unweighted value of each reward term, per sample (0 where it failed)."""
     failures: list[RewardFailure]
     seconds: float = 0.0
+    steps: list[StepScores | None] = field(default_factory=list)
+    """Per sample, the weighted sum of its terms' step scores when they returned
+    :class:`StepScores` (None when they returned floats, or failed); ``scores`` then
+    holds the weighted sum of their ``value``."""
 
     @property
     def num_errors(self) -> int:
@@ -99,13 +107,28 @@ def _evaluate(specs: Sequence[RewardSpec], fns: Sequence[RewardFn], sample: Rewa
     values = []
     for spec, fn in zip(specs, fns):
         try:
-            value = float(fn(sample.prompt, sample.completion, sample.reference,
-                             dict(sample.metadata), **dict(spec.kwargs)))
+            value = fn(sample.prompt, sample.completion, sample.reference,
+                       dict(sample.metadata), **dict(spec.kwargs))
+            if isinstance(value, StepScores):
+                value.check(len(sample.completion))
+            else:
+                value = float(value)
         except Exception as e:  # noqa: BLE001 - any user error is reported, not raised here
             return ("error", spec.name, f"{type(e).__name__}: {e}", traceback.format_exc())
-        if not math.isfinite(value):
+        if not isinstance(value, StepScores) and not math.isfinite(value):
             return ("error", spec.name, f"returned non-finite value {value}", "")
         values.append(value)
+    steps = [(s.name, v) for s, v in zip(specs, values) if isinstance(v, StepScores)]
+    if steps:
+        # One step layout per sample: the advantage needs a single set of step ends.
+        floats = [s.name for s, v in zip(specs, values) if not isinstance(v, StepScores)]
+        if floats:
+            return ("error", floats[0], f"returned a float while {steps[0][0]!r} returned StepScores; "
+                    "with step scores every reward term must return StepScores", "")
+        odd = [n for n, v in steps if v.ends != steps[0][1].ends]
+        if odd:
+            return ("error", odd[0], f"returned step ends different from {steps[0][0]!r}'s; "
+                    "reward terms must agree on the steps", "")
     return ("ok", values)
 
 
@@ -293,6 +316,7 @@ class RewardScorer:
     def _assemble(self, outcomes: Mapping[int, tuple], n: int) -> RewardResult:
         components = {s.name: [0.0] * n for s in self.specs}
         scores = [0.0] * n
+        steps: list[StepScores | None] = [None] * n
         failures = []
         for i in range(n):
             outcome = outcomes[i]
@@ -300,10 +324,17 @@ class RewardScorer:
                 kind, name, msg, tb = outcome
                 failures.append(RewardFailure(i, kind, name, msg, tb))
                 continue  # failed sample scores 0 (on_error="zero")
+            step_scores = None
             for spec, value in zip(self.specs, outcome[1]):
+                if isinstance(value, StepScores):
+                    weighted = [spec.weight * v for v in value.scores]
+                    step_scores = StepScores([a + b for a, b in zip(step_scores.scores, weighted)]
+                                             if step_scores else weighted, value.ends)
+                    value = value.value
                 components[spec.name][i] = value
                 scores[i] += spec.weight * value
-        return RewardResult(scores, components, failures)
+            steps[i] = step_scores
+        return RewardResult(scores, components, failures, steps=steps)
 
 
 def score_samples(samples: Sequence[RewardSample],

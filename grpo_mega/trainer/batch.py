@@ -39,7 +39,7 @@ class TrainingBatch:
     tokens: Tensor            # [N, S] long, prompt + response, right-padded with pad_id
     targets: Tensor           # [N, S-1] long, tokens[:, 1:] (the next-token shift)
     loss_mask: Tensor         # [N, S-1] bool, True on response targets
-    advantages: Tensor        # [N] float32
+    advantages: Tensor        # float32: [N] per sequence, or [N, S-1] per token (process supervision)
     rollout_logp: Tensor      # [N, S-1] float32, the engine's log-probs of the sampled tokens
     seq_lens: list[int]       # host copy of prompt + response lengths, to trim without a sync
     pad_multiple: int = 1     # FP8 GEMMs need token counts that are a multiple of 16
@@ -51,20 +51,35 @@ class TrainingBatch:
              rollout_logp: Sequence[Sequence[float]], advantages: Sequence[float] | Tensor, *,
              pad_id: int, device: torch.device | str = "cpu", pad_to_multiple: int = 1) -> "TrainingBatch":
         """Pad every row to the step's longest sequence (rounded up to ``pad_to_multiple``)
-        on the host, then move the batch to ``device`` once."""
+        on the host, then move the batch to ``device`` once.
+
+        ``advantages``: [N] per sequence, or a [N, T] tensor per response token (T >= the
+        longest response; row i's first len(response_ids[i]) columns are used), placed on
+        the shifted grid like the loss mask: response token j of a row with a p-token
+        prompt at column p - 1 + j; prompt and padding columns get 0."""
         lens = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
         n = len(lens)
         s = -(-max(lens, default=1) // pad_to_multiple) * pad_to_multiple
         tokens = torch.full((n, s), pad_id, dtype=torch.long)
         mask = torch.zeros((n, s - 1), dtype=torch.bool)
         rlp = torch.zeros((n, s - 1), dtype=torch.float32)
+        adv = torch.as_tensor(advantages, dtype=torch.float32)
+        per_token = adv.dim() == 2
+        if per_token:
+            longest = max((len(r) for r in response_ids), default=0)
+            if adv.shape[0] != n or adv.shape[1] < longest:
+                raise ValueError(f"per-token advantages have shape {tuple(adv.shape)}; need [{n}, >= {longest}] "
+                                 "(rows, longest response)")
+            adv_tok = torch.zeros((n, s - 1), dtype=torch.float32)
         for i, (p_ids, r_ids, lp) in enumerate(zip(prompt_ids, response_ids, rollout_logp)):
             p, r = len(p_ids), len(r_ids)
             tokens[i, :p + r] = torch.tensor(list(p_ids) + list(r_ids), dtype=torch.long)
             mask[i, p - 1:p - 1 + r] = True
             if r:
                 rlp[i, p - 1:p - 1 + r] = torch.tensor(list(lp), dtype=torch.float32)
-        adv = torch.as_tensor(advantages, dtype=torch.float32).reshape(n)
+                if per_token:
+                    adv_tok[i, p - 1:p - 1 + r] = adv[i, :r]
+        adv = adv_tok if per_token else adv.reshape(n)
         tokens = tokens.to(device)
         return cls(tokens=tokens, targets=tokens[:, 1:], loss_mask=mask.to(device),
                    advantages=adv.to(device), rollout_logp=rlp.to(device), seq_lens=lens,
@@ -90,7 +105,8 @@ class TrainingBatch:
         rows = slice(start, stop)
         per_tok = {k: (None if getattr(self, k) is None else getattr(self, k)[rows, :s - 1])
                    for k in _PER_TOKEN}
-        return dataclasses.replace(self, tokens=self.tokens[rows, :s], advantages=self.advantages[rows],
+        adv = self.advantages[rows] if self.advantages.dim() == 1 else self.advantages[rows, :s - 1]
+        return dataclasses.replace(self, tokens=self.tokens[rows, :s], advantages=adv,
                                    seq_lens=lens, **per_tok)
 
     def split(self, size: int) -> list["TrainingBatch"]:

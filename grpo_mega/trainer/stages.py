@@ -65,9 +65,10 @@ def rollout(t: Trainer, step: int) -> tuple[list[Prompt], RolloutBatch]:
 
 # -------------------------------------------------------------------------- reward
 
-def _score(t: Trainer, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list[float], int]:
+def _score(t: Trainer, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list, int]:
     """Rewards for this replica's samples, scored once on the replica leader and sent to
-    the other model-parallel ranks; also the number of samples whose reward failed."""
+    the other model-parallel ranks; also the number of samples whose reward failed.
+    With ``algorithm.advantage=process`` each reward is a ``StepScores``, else a float."""
     from grpo_mega.rewards import RewardSample
 
     scores, failures = None, 0
@@ -78,19 +79,45 @@ def _score(t: Trainer, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list
             meta = {"response_length": len(batch.response_ids[i]), "finish_reason": batch.finish_reasons[i]}
             samples.append(RewardSample(p.text, batch.texts[i], p.reference, {**p.metadata, **meta}))
         result = t.scorer.score(samples)
-        scores, failures = result.scores, len(result.failures)
+        scores, failures = _reward_values(t, result), len(result.failures)
     if t.ps.world_size > 1 and t.ps.tp * t.ps.pp > 1:
         box = [(scores, failures)]
         dist.broadcast_object_list(box, src=t.leader_rank, group=t.ps.mp_group)
         scores, failures = box[0]
-    return [float(s) for s in scores], failures
+    return scores, failures
 
 
-def reward(t: Trainer, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list[float], dict[str, float]]:
-    """Rewards of this replica's samples, and reward / accuracy / length statistics over
-    the global batch (all replicas)."""
+def _reward_values(t: Trainer, result) -> list:
+    """Each sample's StepScores (process supervision; a failed sample has no steps) or its
+    float; a reward of the other kind stops the run, naming the functions and the flag."""
+    from grpo_mega.rewards import StepScores
+
+    process = t.cfg.algorithm.advantage == "process"
+    names = [s.name for s in t.scorer.specs]
+    failed = {f.index for f in result.failures}
+    values = []
+    for i, (score, steps) in enumerate(zip(result.scores, result.steps)):
+        if process and steps is None and i not in failed:
+            raise ValueError(f"algorithm.advantage=process needs step scores, but reward functions {names} "
+                             f"returned a float for sample {i}; return grpo_mega.rewards.StepScores from "
+                             "them, or use --algorithm.advantage=outcome")
+        if not process and steps is not None:
+            raise ValueError(f"reward functions {names} returned StepScores for sample {i}, which "
+                             "only process supervision uses; set --algorithm.advantage=process")
+        values.append((steps or StepScores([], [])) if process else float(score))
+    return values
+
+
+def _scalar(value) -> float:
+    """A sample's one number for metrics and evaluation (a StepScores' mean step score)."""
+    return value if isinstance(value, float) else value.value
+
+
+def reward(t: Trainer, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list, dict[str, float]]:
+    """Rewards of this replica's samples (floats, or StepScores with process supervision),
+    and reward / accuracy / length statistics over the global batch (all replicas)."""
     rewards, failures = _score(t, prompts, batch)
-    r = torch.tensor(rewards, dtype=torch.float64)
+    r = torch.tensor([_scalar(v) for v in rewards], dtype=torch.float64)
     lens = torch.tensor(batch.response_lengths, dtype=torch.float64)
     truncated = sum(f == "length" for f in batch.finish_reasons)
     v = torch.tensor([r.sum(), (r * r).sum(), float(len(r)), (r >= 1.0).sum(), lens.sum(), truncated],
@@ -106,12 +133,16 @@ def reward(t: Trainer, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list
 
 # ----------------------------------------------------------------------- advantage
 
-def advantage(t: Trainer, batch: RolloutBatch, rewards: list[float],
+def advantage(t: Trainer, batch: RolloutBatch, rewards: list,
               stats: dict[str, float]) -> TrainingBatch:
-    """Group-normalised advantages, the optional DAPO filter of uniform groups (counted in
-    ``stats``), and the step's ``TrainingBatch`` on the trainer's device."""
+    """Group-normalised advantages (per sequence, or per token from step scores with
+    ``algorithm.advantage=process``), the optional DAPO filter of uniform groups (counted
+    in ``stats``), and the step's ``TrainingBatch`` on the trainer's device."""
     algo = t.cfg.algorithm
-    adv = A.group_advantages(torch.tensor(rewards), t.cfg.rollout.n, norm=algo.norm, baseline=algo.baseline)
+    if algo.advantage == "process":
+        adv = _process_advantages(t, batch, rewards)
+    else:
+        adv = A.group_advantages(torch.tensor(rewards), t.cfg.rollout.n, norm=algo.norm, baseline=algo.baseline)
     keep = list(range(len(batch)))
     if algo.dynamic_sampling:
         from grpo_mega.rewards import filter_uniform_groups
@@ -121,6 +152,15 @@ def advantage(t: Trainer, batch: RolloutBatch, rewards: list[float],
     return TrainingBatch.pack([batch.prompt_ids[i] for i in keep], [batch.response_ids[i] for i in keep],
                               [batch.logprobs[i] for i in keep], adv[keep], pad_id=t.pad_id,
                               device=t.ps.device, pad_to_multiple=seq_multiple(t.cfg.model))
+
+
+def _process_advantages(t: Trainer, batch: RolloutBatch, steps: list) -> torch.Tensor:
+    """[N, longest response] per-token advantages from each sample's StepScores."""
+    from grpo_mega.trainer.steps import process_token_advantages, token_step_ends
+
+    ends = [token_step_ends(s.ends, ids, t.tokenizer.decode) for s, ids in zip(steps, batch.response_ids)]
+    width = max([len(ids) for ids in batch.response_ids] + [1])
+    return process_token_advantages([s.scores for s in steps], ends, t.cfg.rollout.n, width)
 
 
 # ------------------------------------------------------------------------ logprobs
@@ -249,7 +289,7 @@ def evaluate(t: Trainer, step: int) -> float:
     rewards, _ = _score(t, prompts, batch)
     solved: dict[int, bool] = {}
     for i, r in enumerate(rewards):
-        solved[batch.prompt_index[i]] = solved.get(batch.prompt_index[i], False) or r >= 1.0
+        solved[batch.prompt_index[i]] = solved.get(batch.prompt_index[i], False) or _scalar(r) >= 1.0
     v = torch.tensor([float(sum(solved.values())), float(len(solved))], dtype=torch.float64)
     if t.ps.dp > 1:
         dist.all_reduce(v, group=t.ps.dp_group)

@@ -124,11 +124,12 @@ def test_full_kl_is_accepted_at_pp1_and_refused_at_pp2_naming_both_flags():
         validate(cfg, 2, check_hardware=False)
 
 
-def test_process_advantage_is_registered_but_refused_with_a_reason():
-    """Guards against process advantages passing validation although the reward
-    pipeline produces no step rewards (the run would fail at its first update)."""
-    cfg = load_config(None, ["--algorithm.advantage=process"])
-    with pytest.raises(ConfigError, match="per-step rewards.*--algorithm.advantage=outcome"):
+def test_process_advantage_is_accepted_but_not_with_dynamic_sampling():
+    """Guards against process supervision refused at load although the loop runs it, and
+    against DAPO's per-sample filter dropping groups that still carry step-level signal."""
+    validate(load_config(None, ["--algorithm.advantage=process"]), 1, check_hardware=False)
+    cfg = load_config(None, ["--algorithm.advantage=process", "--algorithm.dynamic_sampling=true"])
+    with pytest.raises(ConfigError, match="dynamic_sampling.*--algorithm.dynamic_sampling=false"):
         validate(cfg, 1, check_hardware=False)
 
 
