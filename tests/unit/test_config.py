@@ -143,3 +143,15 @@ def test_registering_a_kl_estimator_makes_it_valid_in_config():
         A.KL_ESTIMATORS.unregister("test_half_sq")
     with pytest.raises(ConfigError, match="algorithm.kl_kind"):
         validate(cfg, 1, check_hardware=False)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["--algorithm.ref_reset_every=-1"], r"ref_reset_every=-1 must be >= 0"),
+    (["--algorithm.ref_reset_every=3", "--algorithm.kl_coef=0"], r"kl_coef=0 builds none"),
+])
+def test_ref_reset_without_a_reference_is_refused(overrides, needle):
+    """Guards against ``ref_reset_every`` being accepted and silently doing nothing: with
+    kl_coef=0 the trainer builds no reference, so there is nothing to reset."""
+    with pytest.raises(ConfigError, match=needle):
+        validate(load_config(None, overrides), 1)
+    validate(load_config(None, ["--algorithm.ref_reset_every=3", "--algorithm.kl_coef=0.01"]), 1)
