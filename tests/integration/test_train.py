@@ -94,6 +94,9 @@ def test_sigkilled_run_resumes_past_a_ref_reset_to_the_same_weights(tmp_path):
     r = subprocess.run(_cmd(killed) + reset, env=ENV, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "resuming from" in r.stdout and "step_00000004" in r.stdout
+    resumed_kl = _kl_by_step(killed)
+    for step in (5, 6):  # redone after the resume, against the reference it loaded
+        assert resumed_kl[step] == pytest.approx(kl[step], rel=1e-4, abs=1e-9), (step, resumed_kl, kl)
 
     ckpts = straight / "checkpoints"
     # before the first reset the reference is the initial weights and is not stored
@@ -108,9 +111,6 @@ def test_sigkilled_run_resumes_past_a_ref_reset_to_the_same_weights(tmp_path):
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=k)
     # the reset at step 6 made the reference the policy, bit for bit
     assert all(torch.equal(a[f"reference.{k}"], a[k]) for k in model_keys)
-    resumed_kl = _kl_by_step(killed)
-    for step in (5, 6):  # redone after the resume, against the reference it loaded
-        assert resumed_kl[step] == pytest.approx(kl[step], rel=1e-4, abs=1e-9), (step, resumed_kl, kl)
     initial = _weights(ckpts / "step_00000002")
     assert any(not torch.equal(initial[k], a[k]) for k in model_keys), "weights never changed"
 
