@@ -55,30 +55,34 @@ def test_sigkilled_run_resumes_past_a_ref_reset_to_the_same_weights(tmp_path):
     and re-run with the same command must end bitwise-close to an uninterrupted run.
     A half-written checkpoint (.tmp) left by the kill must be ignored.
 
-    With iterative GRPO (``ref_reset_every=3``, the reference kept offloaded) it also
-    guards against a reset that never happens or copies the wrong weights (the KL of the
-    step after a reset must be zero, and the final checkpoint's reference must equal its
-    policy bitwise), and against a resume that falls back to the initial reference
-    (reference not stored, not loaded, or flagged as initial): the resumed run's per-step
-    KL, which is measured against the reference, must equal the uninterrupted run's."""
-    reset = ["--algorithm.ref_reset_every=3", "--checkpoint.offload_reference=true"]
+    With iterative GRPO (``ref_reset_every=4`` over 8 steps, the reference kept offloaded:
+    one reset before the kill, at step 4, and one after, at step 8) it also guards against
+    a reset that never happens or copies the wrong weights (the KL of the step after a
+    reset must be zero, and the final checkpoint's reference must equal its policy
+    bitwise), against checkpoints that drop the reset reference (the resumed run's step-6
+    checkpoint comes after the reset it did not see), and against a resume that falls back
+    to the initial reference (reference not stored, not loaded, or flagged as initial): the
+    resumed run's per-step KL, measured against the reference, must equal the
+    uninterrupted run's, and so must its stored reference."""
+    reset = ["--algorithm.ref_reset_every=4", "--checkpoint.offload_reference=true"]
     straight = tmp_path / "straight"
-    r = subprocess.run(_cmd(straight) + reset, env=ENV, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(_cmd(straight, steps=8) + reset, env=ENV, capture_output=True, text=True,
+                       timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((straight / "summary.json").read_text())
-    assert summary["steps"] == 6 and summary["eval_accuracy_initial"] is not None
+    assert summary["steps"] == 8 and summary["eval_accuracy_initial"] is not None
     assert {"eval_accuracy_initial", "eval_accuracy_final", "steps", "wall_seconds"} <= set(summary)
     rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2, 3, 4, 5, 6]
-    assert [r["step"] for r in rows if r.get("ref_reset")] == [3, 6]
+    assert [r["step"] for r in rows if "reward_mean" in r] == list(range(1, 9))
+    assert [r["step"] for r in rows if r.get("ref_reset")] == [4, 8]
     assert (straight / "reward.png").exists()
     kl = _kl_by_step(straight)
-    # step 1: the policy is the initial reference; step 4: the reference is step 3's policy
-    assert kl[1] < 1e-7 and kl[4] < 1e-7, kl
-    assert min(kl[2], kl[3], kl[5], kl[6]) > 100 * max(kl[1], kl[4], 1e-9), kl
+    # step 1: the policy is the initial reference; step 5: the reference is step 4's policy
+    assert kl[1] < 1e-9 and kl[5] < 1e-9, kl
+    assert min(kl[s] for s in (2, 3, 4, 6, 7, 8)) > 1e-4, kl
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_cmd(killed) + reset, env=ENV, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_cmd(killed, steps=8) + reset, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.time() + 900
     for line in proc.stdout:
@@ -91,27 +95,34 @@ def test_sigkilled_run_resumes_past_a_ref_reset_to_the_same_weights(tmp_path):
     assert not (killed / "summary.json").exists()
     # what a kill in the middle of the next save leaves behind
     (killed / "checkpoints" / "step_00000006.tmp").mkdir()
-    r = subprocess.run(_cmd(killed) + reset, env=ENV, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(_cmd(killed, steps=8) + reset, env=ENV, capture_output=True, text=True,
+                       timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "resuming from" in r.stdout and "step_00000004" in r.stdout
     resumed_kl = _kl_by_step(killed)
-    for step in (5, 6):  # redone after the resume, against the reference it loaded
+    for step in (5, 6, 7, 8):  # redone after the resume, against the reference it loaded
         assert resumed_kl[step] == pytest.approx(kl[step], rel=1e-4, abs=1e-9), (step, resumed_kl, kl)
 
-    ckpts = straight / "checkpoints"
     # before the first reset the reference is the initial weights and is not stored
-    assert [(_meta(ckpts / f"step_0000000{s}")["reference_stored"],
-             _meta(ckpts / f"step_0000000{s}")["ref_reset_step"]) for s in (2, 4, 6)] == \
-        [(False, None), (True, 3), (True, 6)]
-    a = _weights(ckpts / "step_00000006")
-    b = _weights(killed / "checkpoints" / "step_00000006")
+    for run in (straight, killed):
+        metas = [_meta(run / "checkpoints" / f"step_{s:08d}") for s in (2, 4, 6, 8)]
+        assert [(m["reference_stored"], m["ref_reset_step"]) for m in metas] == \
+            [(False, None), (True, 4), (True, 4), (True, 8)], run.name
+    ref6 = _weights(straight / "checkpoints" / "step_00000006")
+    ref6_resumed = _weights(killed / "checkpoints" / "step_00000006")
+    ref_keys = [k for k in ref6 if k.startswith("reference.")]
+    assert ref_keys
+    for k in ref_keys:
+        torch.testing.assert_close(ref6_resumed[k], ref6[k], rtol=0, atol=1e-6, msg=k)
+    a = _weights(straight / "checkpoints" / "step_00000008")
+    b = _weights(killed / "checkpoints" / "step_00000008")
     model_keys = [k for k in a if not k.startswith(("optimizer.", "reference."))]
     assert model_keys and set(a) == set(b)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=k)
-    # the reset at step 6 made the reference the policy, bit for bit
+    # the reset at step 8 made the reference the policy, bit for bit
     assert all(torch.equal(a[f"reference.{k}"], a[k]) for k in model_keys)
-    initial = _weights(ckpts / "step_00000002")
+    initial = _weights(straight / "checkpoints" / "step_00000002")
     assert any(not torch.equal(initial[k], a[k]) for k in model_keys), "weights never changed"
 
 
