@@ -211,7 +211,9 @@ class AlgorithmConfig:
     ppo_epochs: int = 1
     """Passes over the rollout batch per step."""
     ref_reset_every: int = 0
-    """Reset the reference model to the policy every K steps (iterative GRPO); 0 never."""
+    """Iterative GRPO (DeepSeekMath): at the end of every K-th step the KL reference becomes
+    the current policy; 0 never (the reference stays the initial weights). Needs
+    ``kl_coef > 0``. Checkpoints store the reference once it has been reset."""
     steps: int = 50
     """GRPO steps to run."""
     time_limit_minutes: float = 0.0

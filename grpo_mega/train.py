@@ -12,6 +12,7 @@ One step, as named and timed stages (DeepSeekMath GRPO, no critic), in
   update     ppo_epochs x mini-batches through the pipeline schedule, clipped
              surrogate + KL, global-norm clipping
   sync       trainer weights -> engine in place, verified
+  ref_reset  every algorithm.ref_reset_every steps the KL reference <- the policy
   log / checkpoint
 
 Re-running the same command resumes from the latest checkpoint.
@@ -86,8 +87,8 @@ def run(t: Trainer) -> dict:
         if bad_steps >= 3:
             raise RuntimeError(f"{bad_steps} consecutive steps with NaN/inf; stopping. The last good "
                                f"checkpoint is kept in {t.ckpt_dir} (lower --optimizer.lr?)")
-        if cfg.algorithm.ref_reset_every and t.step % cfg.algorithm.ref_reset_every == 0 and t.ref is not None:
-            S.reset_reference(t)
+        if S.reset_reference(t):  # iterative GRPO: reference <- current policy
+            m["ref_reset"] = 1.0
         if (every and t.step % every == 0) or t.step == steps:  # the final one always runs
             last_eval = m["eval_accuracy"] = S.evaluate(t, t.step)
         t.eval_last = last_eval

@@ -2,12 +2,14 @@
 
 A checkpoint holds the model, the optimizer state (Adam moments, and fp32 master
 weights when training in bf16, resharded like the model),
-the step, the data position, the LR schedule position and the model shape; and the
-reference model whenever it is no longer the initial weights (iterative GRPO resets it
-to the policy), under its own keys and resharded the same way. It is
-saved in megatron's ``torch_dist`` format, so a run saved at one TP/PP layout
-resumes at another. Per-rank RNG states are stored beside it and restored only
-when the layout is unchanged (they have no meaning in another layout).
+the step, the data position, the LR schedule position and the model shape, and,
+once iterative GRPO has reset it (``algorithm.ref_reset_every``), the reference
+model's weights under ``reference.<key>``. Before any reset the reference is the
+initial weights, which the run rebuilds from its start-up checkpoint, so they are not
+stored; ``grpo_meta.json`` says which case it is (``reference_stored``). It is saved
+in megatron's ``torch_dist`` format, so a run saved at one TP/PP layout resumes at
+another, the reference included. Per-rank RNG states are stored beside it and
+restored only when the layout is unchanged (they have no meaning in another layout).
 
 Atomicity: every rank writes into ``step_XXXXXXXX.tmp``; after a barrier rank 0
 renames it to ``step_XXXXXXXX`` and only then replaces the ``latest`` pointer
@@ -33,8 +35,7 @@ from grpo_mega.models import sharded_state_dict
 
 SHAPE_FIELDS = ("family", "vocab_size", "hidden_size", "num_layers", "num_attention_heads",
                 "num_query_groups", "ffn_hidden_size", "qkv_bias", "tie_embeddings")
-
-
+REFERENCE_PREFIX = "reference."
 
 
 def _flatten(sd, prefix=""):
@@ -63,11 +64,16 @@ def _optimizer_sharded(model_sd: dict, optimizer) -> dict:
     return out
 
 
-def _reference_sharded(ref_sd: dict) -> dict:
-    """The reference's sharded entries under keys of their own: its module names are the
-    policy's, and one checkpoint cannot hold two tensors under one key."""
-    return {path: dataclasses.replace(sh, key=f"reference.{sh.key}") for path, sh in _flatten(ref_sd)
-            if dataclasses.is_dataclass(sh) and hasattr(sh, "key")}
+def _reference_sharded(reference, ps: ParallelState) -> dict:
+    """The reference model's weights as sharded tensors laid out like the policy's (so
+    they reshard on load the same way), under keys of their own. ``_extra_state``
+    objects are left out: a frozen copy needs only its weights."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.utils import add_prefix_for_sharding
+
+    sd = {k: v for k, v in sharded_state_dict(reference, ps).items() if not isinstance(v, ShardedObject)}
+    add_prefix_for_sharding(sd, REFERENCE_PREFIX)
+    return sd
 
 
 def _barrier():
@@ -92,8 +98,8 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
 def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: ParallelState,
                     common: dict, keep_last: int = 2, reference=None) -> Path:
     """Collective. ``common`` (JSON-able: data position, config, ...) is stored by rank 0.
-    ``reference``: the reference model, when it must be stored (it differs from the
-    initial weights); ``common`` should then say so (see ``load_checkpoint``)."""
+    ``reference``: the reference model, when it is no longer the initial weights (after
+    an iterative-GRPO reset); None stores none and records ``reference_stored: false``."""
     from megatron.core import dist_checkpointing
 
     root = Path(root)
@@ -108,14 +114,15 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: Pa
     model_sd = sharded_state_dict(model, ps)
     sharded = {"model": model_sd, "optimizer": _optimizer_sharded(model_sd, optimizer)}
     if reference is not None:
-        sharded["reference"] = _reference_sharded(sharded_state_dict(reference, ps))
+        sharded["reference"] = _reference_sharded(reference, ps)
     dist_checkpointing.save(sharded, str(tmp))
     torch.save({"rng_cpu": torch.get_rng_state(), "layout": (ps.tp, ps.pp, ps.dp),
                 "adam_step": optimizer.adam_step},
                tmp / f"rank_{ps.rank:05d}.pt")
     _barrier()
     if ps.rank == 0:
-        meta = dict(common, step=step, layout={"tp": ps.tp, "pp": ps.pp, "dp": ps.dp})
+        meta = dict(common, step=step, layout={"tp": ps.tp, "pp": ps.pp, "dp": ps.dp},
+                    reference_stored=reference is not None)
         (tmp / "grpo_meta.json").write_text(json.dumps(meta, indent=1, default=str))
         if final.exists():
             shutil.rmtree(final)
@@ -133,8 +140,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: Pa
 def load_checkpoint(path: str | os.PathLike, model, optimizer, ps: ParallelState,
                     model_cfg=None, reference=None) -> dict:
     """Load into the built model (any layout) and optimizer; returns the saved common dict.
-    ``reference`` is loaded too when the checkpoint holds one (``reference_step`` > 0 in
-    its common dict); otherwise it is left as built (the initial weights)."""
+    ``reference``: the built reference model; loaded from the checkpoint when it holds one
+    (``reference_stored``), else left as built (the initial weights)."""
     from megatron.core import dist_checkpointing
 
     path = Path(path)
@@ -155,18 +162,16 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, ps: ParallelState
     sharded = {"model": model_sd}
     if optimizer is not None:
         sharded["optimizer"] = _optimizer_sharded(model_sd, optimizer)
-    load_reference = reference is not None and meta.get("reference_step", 0) > 0
+    load_reference = reference is not None and bool(meta.get("reference_stored"))
     if load_reference:
-        sharded["reference"] = _reference_sharded(sharded_state_dict(reference, ps))
+        sharded["reference"] = _reference_sharded(reference, ps)
     try:
         loaded = dist_checkpointing.load(sharded, str(path))
     except Exception as e:  # noqa: BLE001 - re-raised with the path and the fix
         raise CheckpointError(f"could not load checkpoint {path}: {e}") from e
     model.load_state_dict(loaded["model"], strict=False)
     if load_reference:
-        missing = reference.load_state_dict(loaded["reference"], strict=False).missing_keys
-        if [k for k in missing if not k.endswith("_extra_state")]:
-            raise CheckpointError(f"{path}: the stored reference model lacks {missing[:3]}...")
+        reference.load_state_dict(loaded["reference"], strict=False)
     if optimizer is not None:
         by_key = {}
         for path_, sh in _flatten(model_sd):

@@ -158,6 +158,13 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
     if a.kl_coef < 0:
         raise ConfigError(f"algorithm.kl_coef={a.kl_coef} must be >= 0 (--algorithm.kl_coef)")
     _check_exact_kl_layout(cfg)
+    if a.ref_reset_every < 0:
+        raise ConfigError(f"algorithm.ref_reset_every={a.ref_reset_every} must be >= 0 (0: never reset) "
+                          "(--algorithm.ref_reset_every)")
+    if a.ref_reset_every > 0 and a.kl_coef == 0:
+        raise ConfigError(f"algorithm.ref_reset_every={a.ref_reset_every} resets the KL reference, but "
+                          "algorithm.kl_coef=0 builds none; set --algorithm.kl_coef > 0 or "
+                          "--algorithm.ref_reset_every=0")
     if o.lr <= 0:
         raise ConfigError(f"optimizer.lr={o.lr} must be > 0 (--optimizer.lr)")
     if r.temperature < 0:

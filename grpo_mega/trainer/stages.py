@@ -2,7 +2,7 @@
 
 ``train.py`` calls them in order and times each under its name (``stage``):
 rollout -> reward -> advantage -> logprobs -> update -> sync -> log, plus
-evaluate and checkpoint. Data flows down once: the rollout's token lists and the
+evaluate, the iterative-GRPO reference reset and checkpoint. Data flows down once: the rollout's token lists and the
 rewards become one ``TrainingBatch`` on the device in ``advantage``; everything
 after that works on slices of it.
 
@@ -244,6 +244,21 @@ def update(t: Trainer, plan: UpdatePlan) -> dict[str, float]:
     return metrics_to_floats(metrics)
 
 
+# ------------------------------------------------------------------------ ref_reset
+
+def reset_reference(t: Trainer) -> bool:
+    """Iterative GRPO (DeepSeekMath, Algorithm 1): at the end of every
+    ``algorithm.ref_reset_every``-th step the reference becomes the current policy,
+    copied in place (into the CPU copy under ``checkpoint.offload_reference``). From
+    then on checkpoints store the reference. Returns whether it was reset."""
+    k = t.cfg.algorithm.ref_reset_every
+    if t.ref is None or k <= 0 or t.step % k:
+        return False
+    t.ref.load_state_dict(t.model.state_dict())
+    t.ref_reset_step = t.step
+    return True
+
+
 # ---------------------------------------------------------------------------- sync
 
 def sync(t: Trainer) -> float:
@@ -298,12 +313,6 @@ def evaluate(t: Trainer, step: int) -> float:
 
 # ---------------------------------------------------------------------- checkpoint
 
-def reset_reference(t: Trainer) -> None:
-    """Iterative GRPO (DeepSeekMath 4.2): the reference becomes the current policy."""
-    t.ref.load_state_dict(t.model.state_dict())
-    t.ref_step = t.step
-
-
 def checkpoint(t: Trainer) -> None:
     """Model, optimizer, data position, scheduler and eval results, resumable at any layout;
     the reference too once a reset has made it differ from the initial weights."""
@@ -311,9 +320,9 @@ def checkpoint(t: Trainer) -> None:
 
     common = {"model": dataclasses.asdict(t.cfg.model), "data": t.dataset.state_dict(),
               "scheduler": t.scheduler.state_dict(), "eval_initial": t.eval_initial,
-              "eval_last": t.eval_last, "reference_step": t.ref_step}
-    stored_ref = t.ref if t.ref is not None and t.ref_step > 0 else None
+              "eval_last": t.eval_last, "ref_reset_step": t.ref_reset_step}
+    reference = t.ref if t.ref_reset_step is not None else None
     path = save_checkpoint(t.ckpt_dir, t.step, t.model, t.optimizer, t.ps,
                            json.loads(json.dumps(common, default=str)), keep_last=t.cfg.checkpoint.keep_last,
-                           reference=stored_ref)
+                           reference=reference)
     t.say(f"checkpoint saved: {path}")

@@ -56,10 +56,11 @@ class Trainer:
     """Only on the logging rank (global rank 0)."""
     ckpt_dir: Path
     step: int = 0
+    ref_reset_step: Optional[int] = None
+    """Step at whose end the reference last became the policy (iterative GRPO); None while
+    it is still the initial weights. Checkpoints store the reference once it is set."""
     eval_initial: Optional[float] = None
     eval_last: Optional[float] = None
-    ref_step: int = 0
-    """The step whose policy the reference holds (iterative GRPO); 0: the initial weights."""
     started: float = field(default_factory=time.time)
 
     @property
@@ -227,6 +228,6 @@ def build_trainer(argv=None) -> Trainer:
                 scorer=scorer, sink=sink, ckpt_dir=ckpt_dir)
     if meta is not None:
         t.step, t.eval_initial, t.eval_last = meta["step"], meta.get("eval_initial"), meta.get("eval_last")
-        t.ref_step = meta.get("reference_step", 0) if ref is not None else 0
+        t.ref_reset_step = meta.get("ref_reset_step")
     say(f"ready: {cfg.algorithm.steps} steps of {cfg.data.prompts_per_step} prompts x {r.n} samples")
     return t

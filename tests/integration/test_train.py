@@ -39,39 +39,51 @@ def _weights(ckpt: Path) -> dict:
     return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 
-RESET = ["--algorithm.ref_reset_every=3"]  # iterative GRPO: resets after steps 3 and 6
+def _kl_by_step(run_dir: Path) -> dict[int, float]:
+    """The KL metric of each step, as last logged (a resumed run re-logs the steps it redoes)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["kl"] for r in rows if "kl" in r}
 
 
-def _metric(run: Path, key: str) -> dict:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r[key] for r in rows if key in r}
+def _meta(ckpt: Path) -> dict:
+    return json.loads((ckpt / "grpo_meta.json").read_text())
 
 
-def test_sigkilled_run_resumes_to_the_same_weights_past_a_ref_reset(tmp_path):
-    """Guards against resume bugs: a lost data position, optimizer moments, scheduler,
-    engine weights or reference model all change the trajectory. A run SIGKILLed after its
-    step-4 checkpoint and re-run with the same command must end bitwise-close to an
-    uninterrupted run. A half-written checkpoint (.tmp) left by the kill must be ignored.
+def test_sigkilled_run_resumes_past_a_ref_reset_to_the_same_weights(tmp_path):
+    """Guards against resume bugs: a lost data position, optimizer moments, scheduler or
+    engine weights all change the trajectory. A run SIGKILLed after its step-4 checkpoint
+    and re-run with the same command must end bitwise-close to an uninterrupted run.
+    A half-written checkpoint (.tmp) left by the kill must be ignored.
 
-    With iterative GRPO (ref_reset every 3 steps) the step-4 checkpoint must hold the
-    reference reset at step 3: a resume that fell back to the initial reference (the
-    reference once was never checkpointed) changes the KL of steps 5 and 6. Also checked
-    on the uninterrupted run: no reference is stored before the first reset (step 2), the
-    stored one at step 4 is the step-3 policy (neither step 2's nor step 4's), and after the
-    reset at step 6 the reference equals the policy bitwise."""
+    With iterative GRPO (``ref_reset_every=4`` over 8 steps, the reference kept offloaded:
+    one reset before the kill, at step 4, and one after, at step 8) it also guards against
+    a reset that never happens or copies the wrong weights (the KL of the step after a
+    reset must be zero, and the final checkpoint's reference must equal its policy
+    bitwise), against checkpoints that drop the reset reference (the resumed run's step-6
+    checkpoint comes after the reset it did not see), and against a resume that falls back
+    to the initial reference (reference not stored, not loaded, or flagged as initial): the
+    resumed run's per-step KL, measured against the reference, must equal the
+    uninterrupted run's, and so must its stored reference."""
+    reset = ["--algorithm.ref_reset_every=4", "--checkpoint.offload_reference=true"]
     straight = tmp_path / "straight"
-    r = subprocess.run(_cmd(straight) + RESET, env=ENV, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(_cmd(straight, steps=8) + reset, env=ENV, capture_output=True, text=True,
+                       timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((straight / "summary.json").read_text())
-    assert summary["steps"] == 6 and summary["eval_accuracy_initial"] is not None
+    assert summary["steps"] == 8 and summary["eval_accuracy_initial"] is not None
     assert {"eval_accuracy_initial", "eval_accuracy_final", "steps", "wall_seconds"} <= set(summary)
     rows = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows if "reward_mean" in r] == list(range(1, 9))
+    assert [r["step"] for r in rows if r.get("ref_reset")] == [4, 8]
     assert (straight / "reward.png").exists()
+    kl = _kl_by_step(straight)
+    # step 1: the policy is the initial reference; step 5: the reference is step 4's policy
+    assert kl[1] < 1e-9 and kl[5] < 1e-9, kl
+    assert min(kl[s] for s in (2, 3, 4, 6, 7, 8)) > 1e-4, kl
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_cmd(killed) + RESET, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(_cmd(killed, steps=8) + reset, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.time() + 900
     for line in proc.stdout:
         if "checkpoint saved" in line and "step_00000004" in line:
@@ -83,19 +95,33 @@ def test_sigkilled_run_resumes_to_the_same_weights_past_a_ref_reset(tmp_path):
     assert not (killed / "summary.json").exists()
     # what a kill in the middle of the next save leaves behind
     (killed / "checkpoints" / "step_00000006.tmp").mkdir()
-    r = subprocess.run(_cmd(killed) + RESET, env=ENV, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(_cmd(killed, steps=8) + reset, env=ENV, capture_output=True, text=True,
+                       timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "resuming from" in r.stdout and "step_00000004" in r.stdout
-    kl_a, kl_b = _metric(straight, "kl"), _metric(killed, "kl")
-    for step in (5, 6):  # computed against the step-3 reference in both runs
-        assert abs(kl_a[step] - kl_b[step]) <= 1e-6 * max(1.0, abs(kl_a[step])), (step, kl_a, kl_b)
+    resumed_kl = _kl_by_step(killed)
+    for step in (5, 6, 7, 8):  # redone after the resume, against the reference it loaded
+        assert resumed_kl[step] == pytest.approx(kl[step], rel=1e-4, abs=1e-9), (step, resumed_kl, kl)
 
-    a = _weights(straight / "checkpoints" / "step_00000006")
-    b = _weights(killed / "checkpoints" / "step_00000006")
-    model_keys = [k for k in a if not k.startswith("optimizer.")]
+    # before the first reset the reference is the initial weights and is not stored
+    for run in (straight, killed):
+        metas = [_meta(run / "checkpoints" / f"step_{s:08d}") for s in (2, 4, 6, 8)]
+        assert [(m["reference_stored"], m["ref_reset_step"]) for m in metas] == \
+            [(False, None), (True, 4), (True, 4), (True, 8)], run.name
+    ref6 = _weights(straight / "checkpoints" / "step_00000006")
+    ref6_resumed = _weights(killed / "checkpoints" / "step_00000006")
+    ref_keys = [k for k in ref6 if k.startswith("reference.")]
+    assert ref_keys
+    for k in ref_keys:
+        torch.testing.assert_close(ref6_resumed[k], ref6[k], rtol=0, atol=1e-6, msg=k)
+    a = _weights(straight / "checkpoints" / "step_00000008")
+    b = _weights(killed / "checkpoints" / "step_00000008")
+    model_keys = [k for k in a if not k.startswith(("optimizer.", "reference."))]
     assert model_keys and set(a) == set(b)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=k)
+    # the reset at step 8 made the reference the policy, bit for bit
+    assert all(torch.equal(a[f"reference.{k}"], a[k]) for k in model_keys)
     initial = _weights(straight / "checkpoints" / "step_00000002")
     policy_keys = [k for k in model_keys if not k.startswith("reference.")]
     assert any(not torch.equal(initial[k], a[k]) for k in policy_keys), "weights never changed"

@@ -250,3 +250,15 @@ def test_tis_with_truncated_sampling_is_refused_naming_both_flags(overrides, fla
         validate(load_config(None, untruncated + ["--algorithm.tis_cap=2.0"]), 1, check_hardware=False)
     with pytest.raises(ConfigError, match=r"rollout.top_p=0.0 must be in \(0, 1\]"):
         validate(load_config(None, ["--rollout.top_p=0"]), 1, check_hardware=False)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["--algorithm.ref_reset_every=-1"], r"ref_reset_every=-1 must be >= 0"),
+    (["--algorithm.ref_reset_every=3", "--algorithm.kl_coef=0"], r"kl_coef=0 builds none"),
+])
+def test_ref_reset_without_a_reference_is_refused(overrides, needle):
+    """Guards against ``ref_reset_every`` being accepted and silently doing nothing: with
+    kl_coef=0 the trainer builds no reference, so there is nothing to reset."""
+    with pytest.raises(ConfigError, match=needle):
+        validate(load_config(None, overrides), 1)
+    validate(load_config(None, ["--algorithm.ref_reset_every=3", "--algorithm.kl_coef=0.01"]), 1)

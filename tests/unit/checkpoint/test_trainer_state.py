@@ -95,3 +95,80 @@ def test_missing_or_corrupt_checkpoint_is_a_clear_error(tmp_path):
         latest_checkpoint(tmp_path)
     (tmp_path / "step_00000005" / "grpo_meta.json").write_text(json.dumps({"step": 5}))
     assert latest_checkpoint(tmp_path).name == "step_00000005"
+
+
+def _canonical(model, ps, n_layers, vocab):
+    import grpo_mega.models.layout as L
+    per = n_layers // ps.pp
+    return {L.to_global_name(local, ps.pp_rank, per):
+            L.gather(L.to_global_name(local, ps.pp_rank, per), p.detach(), ps.tp_group, ps.tp, vocab)
+            for local, p in model.named_parameters()}
+
+
+def _ref_reset_reference_round_trip(rank, world, root):
+    from megatron.core import parallel_state as mpu
+    from grpo_mega.checkpoint import load_checkpoint, save_checkpoint
+    from grpo_mega.config import OptimizerConfig
+    from grpo_mega.distributed.state import init_parallel
+    from grpo_mega.models import build_model
+    from grpo_mega.optim.adamw import ParallelAdamW
+
+    m = _mcfg()
+    results = {}
+    for (tp, pp), (tp2, pp2) in [((2, 1), (1, 2)), ((1, 2), (2, 1))]:
+        if mpu.model_parallel_is_initialized():
+            mpu.destroy_model_parallel()
+        ps = init_parallel(tp, pp, seed=3)
+        torch.manual_seed(0)
+        model = build_model(m, ps)
+        opt = ParallelAdamW(model, OptimizerConfig(lr=1e-2), ps)
+        ref = build_model(m, ps, frozen=True)
+        with torch.no_grad():  # a reference unlike both the policy and a freshly built model
+            for p in ref.parameters():
+                p.add_(torch.randn_like(p))
+        saved_ref = _canonical(ref, ps, m.num_layers, m.vocab_size)
+        saved_model = _canonical(model, ps, m.num_layers, m.vocab_size)
+        d = f"{root}/tp{tp}pp{pp}"
+        with_ref = save_checkpoint(d, 3, model, opt, ps, {"data": [1]}, reference=ref)
+        without = save_checkpoint(d, 2, model, opt, ps, {"data": [1]})
+        mpu.destroy_model_parallel()
+
+        ps2 = init_parallel(tp2, pp2, seed=99)
+        torch.manual_seed(123)
+        model2 = build_model(m, ps2)
+        opt2 = ParallelAdamW(model2, OptimizerConfig(lr=1e-2), ps2)
+        ref2 = build_model(m, ps2, frozen=True)
+        built = _canonical(ref2, ps2, m.num_layers, m.vocab_size)
+        meta = load_checkpoint(without, model2, opt2, ps2, m, reference=ref2)
+        untouched = _canonical(ref2, ps2, m.num_layers, m.vocab_size)
+        meta_ref = load_checkpoint(with_ref, model2, opt2, ps2, m, reference=ref2)
+        loaded_ref = _canonical(ref2, ps2, m.num_layers, m.vocab_size)
+        loaded_model = _canonical(model2, ps2, m.num_layers, m.vocab_size)
+        key = f"tp{tp}pp{pp}->tp{tp2}pp{pp2}"
+        common = [k for k in loaded_ref if k in saved_ref]  # this rank's stage in both layouts
+        results[key] = {
+            "stored flags": (meta["reference_stored"], meta_ref["reference_stored"]),
+            "ref diff": max(float((loaded_ref[k] - saved_ref[k]).abs().max()) for k in common),
+            "ref tensors compared": len(common),
+            "model diff": max(float((loaded_model[k] - saved_model[k]).abs().max()) for k in common),
+            "initial-flag load left ref as built": all(torch.equal(untouched[k], built[k]) for k in built),
+            "ref differs from policy": all(not torch.equal(saved_ref[k], saved_model[k]) for k in saved_ref),
+        }
+    return results
+
+
+@pytest.mark.slow
+def test_ref_reset_reference_is_checkpointed_and_reshards(tmp_path):
+    """Guards against a resume after an iterative-GRPO reset silently going back to the
+    initial reference: a checkpoint given the reset reference stores it (and says so in
+    grpo_meta.json), and loading restores it bitwise at another layout (TP=2 -> PP=2 and
+    back), separately from the policy; a checkpoint saved before any reset says
+    ``reference_stored: false`` and leaves the built (initial) reference untouched."""
+    res = run_ranks(2, _ref_reset_reference_round_trip, str(tmp_path), timeout=600)
+    for r in res:
+        for key, v in r.items():
+            assert v["stored flags"] == (False, True), key
+            assert v["ref tensors compared"] > 0, key
+            assert v["ref diff"] == 0.0 and v["model diff"] == 0.0, (key, v)
+            assert v["initial-flag load left ref as built"], key
+            assert v["ref differs from policy"], key
