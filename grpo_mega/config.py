@@ -207,7 +207,12 @@ class AlgorithmConfig:
     tis_cap: Optional[float] = None
     """Truncated importance-sampling cap against rollout logprobs; null disables."""
     dynamic_sampling: bool = False
-    """Drop groups whose rewards are all equal (DAPO)."""
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and sample the next
+    prompts in further rounds until ``data.prompts_per_step`` groups with a reward spread
+    are held (extra ones are dropped), dealt equally to the DP replicas."""
+    dynamic_sampling_max_rounds: int = 4
+    """Most sampling rounds per step under ``dynamic_sampling`` (1 = filter only, no refill).
+    A step that ends with fewer groups trains on those; with none it is an empty step."""
     ppo_epochs: int = 1
     """Passes over the rollout batch per step."""
     ref_reset_every: int = 0

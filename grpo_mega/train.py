@@ -6,6 +6,8 @@ One step, as named and timed stages (DeepSeekMath GRPO, no critic), in
 ``grpo_mega/trainer/stages.py``:
   rollout    G samples per prompt from the vLLM engine (sampled-token logprobs kept)
   reward     rule-based scores, in a process pool with a per-sample timeout
+  refill     with DAPO dynamic sampling: drop groups without a reward spread and sample
+             more rounds (rollout + reward) until enough groups have one
   advantage  group-normalised rewards (z-score / Dr. GRPO / RLOO) -> one TrainingBatch
   logprobs   reference (KL) and, when the update goes off-policy, old-policy
              log-probs: forward-only through the pipeline, vocab-parallel
@@ -39,9 +41,11 @@ def grpo_step(t: Trainer, step: int) -> dict:
         prompts, rollout = S.rollout(t, step)
     with stage("reward", timings):
         rewards, stats = S.reward(t, prompts, rollout)
+    if t.cfg.algorithm.dynamic_sampling:  # DAPO: further rounds until enough groups have signal
+        rollout, rewards = S.refill(t, step, rollout, rewards, stats, timings)
     with stage("advantage", timings):
-        batch = S.advantage(t, rollout, rewards, stats)
-    metrics: dict = {"skipped": 1.0}  # every group was uniform: nothing to learn from
+        batch = S.advantage(t, rollout, rewards)
+    metrics: dict = {"empty_step": 1.0}  # no group had a reward spread: nothing to learn from
     if len(batch):
         with stage("logprobs", timings):
             plan = S.logprobs(t, batch)
@@ -82,6 +86,10 @@ def run(t: Trainer) -> dict:
         t.step += 1
         m = grpo_step(t, t.step)
         bad_steps = bad_steps + 1 if m.get("skipped") or not math.isfinite(m.get("loss", 0.0)) else 0
+        if m.get("empty_step"):
+            t.say(f"step {t.step}: empty step, no group had a reward spread after "
+                  f"{m.get('dapo_rounds', 1):.0f} sampling rounds; no update "
+                  "(raise --algorithm.dynamic_sampling_max_rounds)")
         if bad_steps:
             t.say(f"step {t.step}: non-finite loss or gradient; update skipped ({bad_steps} in a row)")
         if bad_steps >= 3:

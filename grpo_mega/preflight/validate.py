@@ -149,6 +149,10 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
         # share a mean step score can still carry step-level signal.
         raise ConfigError("algorithm.dynamic_sampling does not apply to algorithm.advantage=process "
                           "(--algorithm.dynamic_sampling=false)")
+    if not 1 <= a.dynamic_sampling_max_rounds <= 100:
+        # Refill rounds shift the sampling seed by their index; evaluation uses seed + 7919.
+        raise ConfigError(f"algorithm.dynamic_sampling_max_rounds={a.dynamic_sampling_max_rounds} must be "
+                          "in 1..100 (--algorithm.dynamic_sampling_max_rounds)")
     if a.clip_low < 0 or a.clip_high < 0:
         raise ConfigError("algorithm.clip_low/clip_high must be >= 0")
     if a.dual_clip is not None and a.dual_clip <= 1:

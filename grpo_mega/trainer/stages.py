@@ -2,7 +2,8 @@
 
 ``train.py`` calls them in order and times each under its name (``stage``):
 rollout -> reward -> advantage -> logprobs -> update -> sync -> log, plus
-evaluate, the iterative-GRPO reference reset and checkpoint. Data flows down once: the rollout's token lists and the
+evaluate, the iterative-GRPO reference reset and checkpoint, and with DAPO dynamic sampling
+``refill`` (more rollout and reward rounds) before advantage. Data flows down once: the rollout's token lists and the
 rewards become one ``TrainingBatch`` on the device in ``advantage``; everything
 after that works on slices of it.
 
@@ -27,6 +28,7 @@ from grpo_mega import algorithms as A
 from grpo_mega import models
 from grpo_mega.algorithms.vocab_parallel_triton import use_fused
 from grpo_mega.models.precision import seq_multiple
+from grpo_mega.trainer.dynamic_sampling import KeptGroups
 from grpo_mega.trainer.batch import (TrainingBatch, compute_logprobs, metrics_to_floats,
                                      update_policy)
 
@@ -57,10 +59,58 @@ def _generate(t: Trainer, prompts: list[Prompt], step: int,
 
 # ------------------------------------------------------------------------- rollout
 
-def rollout(t: Trainer, step: int) -> tuple[list[Prompt], RolloutBatch]:
-    """G samples per prompt of this DP rank's share, with the sampled tokens' log-probs."""
+def rollout(t: Trainer, step: int, round: int = 0) -> tuple[list[Prompt], RolloutBatch]:
+    """G samples per prompt of this DP rank's share, with the sampled tokens' log-probs.
+    ``round`` > 0 is a DAPO refill round: the next prompts, with their own sampling seeds."""
     prompts = t.dataset.next_batch(t.cfg.data.prompts_per_step)
-    return prompts, _generate(t, prompts, step)
+    sampling = None
+    if round and t.engine.sampling.seed is not None:
+        # Per-prompt seeds hash (seed, step, index): a refill round shifts the seed so its
+        # prompts do not reuse the first round's random streams index for index.
+        sampling = dataclasses.replace(t.engine.sampling, seed=t.engine.sampling.seed + round)
+    return prompts, _generate(t, prompts, step, sampling)
+
+
+def refill(t: Trainer, step: int, batch: RolloutBatch, rewards: list, stats: dict[str, float],
+           timings: dict[str, float]) -> tuple[KeptGroups, list[float]]:
+    """DAPO dynamic sampling: keep the groups with a reward spread and sample further rounds
+    (timed as ``rollout`` and ``reward``) until ``data.prompts_per_step`` such groups are held
+    over all replicas or ``algorithm.dynamic_sampling_max_rounds`` is reached; then this
+    replica's equal share of them and its rewards. ``stats`` gets the reward statistics of
+    every sampled round and the round and group counts."""
+    from grpo_mega.trainer import dynamic_sampling as D
+
+    n, target, cap = t.cfg.rollout.n, t.cfg.data.prompts_per_step, t.cfg.algorithm.dynamic_sampling_max_rounds
+    dp_group = t.ps.dp_group if t.ps.dp > 1 else None
+    kept, rounds, per_round = D.keep_groups(batch, rewards, n), 1, [dict(stats)]
+    more, total = D.need_more_groups(kept.num_groups, target, rounds, cap, dp_group)
+    while more:
+        with stage("rollout", timings):
+            prompts, batch = rollout(t, step, round=rounds)
+        with stage("reward", timings):
+            rewards, round_stats = reward(t, prompts, batch)
+        rounds += 1
+        per_round.append(round_stats)
+        kept.extend(D.keep_groups(batch, rewards, n))
+        more, total = D.need_more_groups(kept.num_groups, target, rounds, cap, dp_group)
+    mine = D.deal_groups(kept, target, t.ps.dp_rank, dp_group)
+    used = mine.num_groups * t.ps.dp
+    stats.update(_mean_over_rounds(per_round), dapo_rounds=float(rounds), groups_used=float(used),
+                 groups_dropped=float(rounds * target - total),  # uniform: no signal
+                 groups_spare=float(total - used))  # had signal, beyond the batch (or the DP cut)
+    return mine, mine.rewards
+
+
+def _mean_over_rounds(per_round: list[dict[str, float]]) -> dict[str, float]:
+    """Reward statistics over all rounds (each round samples the same number of prompts, so
+    plain means of the per-round means are exact; the std goes through the second moment)."""
+    k = len(per_round)
+    out = {key: sum(s[key] for s in per_round) / k
+           for key in ("reward_mean", "accuracy", "response_len", "truncated_frac")}
+    second = sum(s["reward_std"] ** 2 + s["reward_mean"] ** 2 for s in per_round) / k
+    out["reward_std"] = math.sqrt(max(second - out["reward_mean"] ** 2, 0.0))
+    out["reward_failures"] = sum(s["reward_failures"] for s in per_round)
+    return out
 
 
 # -------------------------------------------------------------------------- reward
@@ -133,24 +183,15 @@ def reward(t: Trainer, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list
 
 # ----------------------------------------------------------------------- advantage
 
-def advantage(t: Trainer, batch: RolloutBatch, rewards: list,
-              stats: dict[str, float]) -> TrainingBatch:
+def advantage(t: Trainer, batch: RolloutBatch | KeptGroups, rewards: list) -> TrainingBatch:
     """Group-normalised advantages (per sequence, or per token from step scores with
-    ``algorithm.advantage=process``), the optional DAPO filter of uniform groups (counted
-    in ``stats``), and the step's ``TrainingBatch`` on the trainer's device."""
+    ``algorithm.advantage=process``) and the step's ``TrainingBatch`` on the trainer's device."""
     algo = t.cfg.algorithm
     if algo.advantage == "process":
         adv = _process_advantages(t, batch, rewards)
     else:
         adv = A.group_advantages(torch.tensor(rewards), t.cfg.rollout.n, norm=algo.norm, baseline=algo.baseline)
-    keep = list(range(len(batch)))
-    if algo.dynamic_sampling:
-        from grpo_mega.rewards import filter_uniform_groups
-        kept = filter_uniform_groups(rewards, t.cfg.rollout.n)
-        stats["groups_dropped"] = float(kept.num_dropped)
-        keep = list(kept.sample_indices)
-    return TrainingBatch.pack([batch.prompt_ids[i] for i in keep], [batch.response_ids[i] for i in keep],
-                              [batch.logprobs[i] for i in keep], adv[keep], pad_id=t.pad_id,
+    return TrainingBatch.pack(batch.prompt_ids, batch.response_ids, batch.logprobs, adv, pad_id=t.pad_id,
                               device=t.ps.device, pad_to_multiple=seq_multiple(t.cfg.model))
 
 

@@ -14,3 +14,9 @@ def nine_steps(prompt, completion, reference, metadata=None, **_):
     from grpo_mega.rewards import StepScores
 
     return StepScores([1.0 if ch == "9" else 0.0 for ch in completion], range(1, len(completion) + 1))
+
+
+def always_zero(prompt, completion, reference, metadata=None, **_):
+    """Every sample scores 0: every group is uniform, so DAPO dynamic sampling finds no
+    signal in any round and every step must end as an empty step."""
+    return 0.0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -181,3 +182,52 @@ def test_process_supervision_run_learns_step_rewards(tmp_path):
     initial, final = rewards[0], sum(rewards[-2:]) / 2
     assert initial < 0.3, rewards
     assert final > initial + 0.4, rewards
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_dapo_refill_at_dp2_fills_the_batch_and_nothing_hangs(tmp_path):
+    """Guards against DAPO dynamic sampling that never refills (a step trains on whatever
+    groups the first round happened to give), that takes more groups than requested, and
+    against DP replicas that keep different numbers of groups: their micro-batch and
+    optimizer-step counts then differ and the gradient all-reduce hangs until the collective
+    timeout. The real loop at DP=2 (torchrun, one vLLM engine per replica) on a reward the
+    demo model rarely earns (completions starting with '9'), so the first round holds few
+    groups with a spread: step 1 must sample more rounds, every step must train on the
+    requested 16 groups, and the job must finish well inside its collective timeout."""
+    run = tmp_path / "dapo_dp2"
+    cmd = [a for a in _cmd(run, steps=3) if a not in ("--parallel.tp=1",)]
+    cmd = cmd[:1] + ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"] + cmd[1:]
+    cmd = [a for a in cmd if not a.startswith(("--data.eval_every", "--checkpoint.save_every"))]
+    cmd += ["--parallel.tp=1", "--data.eval_every=0", "--checkpoint.save_every=0",
+            "--reward.functions=[\"tests.integration.task_rewards:starts_with_nine\"]",
+            "--algorithm.dynamic_sampling=true", "--algorithm.dynamic_sampling_max_rounds=6",
+            "--parallel.timeout_minutes=3"]
+    start = time.time()
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert time.time() - start < 170, "a replica waited in a collective"
+    steps = [row for row in _rows(run) if "dapo_rounds" in row]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert steps[0]["dapo_rounds"] > 1, steps[0]
+    for s in steps:
+        assert s["groups_used"] == 16 and "empty_step" not in s and math.isfinite(s["loss"]), s
+        assert s["groups_dropped"] == 16 * s["dapo_rounds"] - s["groups_used"] - s["groups_spare"], s
+
+
+def test_dapo_step_without_signal_is_empty_not_a_nan_abort(tmp_path):
+    """Guards against an all-uniform step being counted as a non-finite step (three of them
+    stopped the run with a NaN message) or reported with NaN metrics: with a reward that is
+    always 0, every step samples its full round cap, finds no group with a spread, makes no
+    update, and the run completes with every step logged as an empty step."""
+    run = tmp_path / "dapo_empty"
+    rewards = _short_run(run, 4, "always_zero", "--algorithm.dynamic_sampling=true",
+                         "--algorithm.dynamic_sampling_max_rounds=2")
+    assert rewards == [0.0] * 4
+    steps = [row for row in _rows(run) if "dapo_rounds" in row]
+    assert len(steps) == 4
+    for s in steps:
+        assert s["empty_step"] == 1.0 and s["dapo_rounds"] == 2 and s["groups_used"] == 0, s
+        assert "loss" not in s and all(not isinstance(v, float) or math.isfinite(v) for v in s.values()), s
