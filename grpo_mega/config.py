@@ -191,7 +191,7 @@ class AlgorithmConfig:
     """KL term: a sample estimator k1, k2, k3, abs (aliases mse, low_var_kl) from the sampled
     tokens' log-probs, or ``full``: the exact KL over the whole vocabulary from the policy's
     and the reference's logits shards (the reference runs next to the policy on each
-    micro-batch; parallel.pp=1 only)."""
+    micro-batch, pipelined with it at PP>1)."""
     clip_low: float = 0.2
     """Lower PPO clip epsilon."""
     clip_high: float = 0.2

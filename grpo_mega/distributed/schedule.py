@@ -14,13 +14,15 @@ slices) or a dict with a ``"tokens"`` key (tests, benchmarks).
 
     loss_fn(logits_shard: [b, s, V_pad/tp], mb) -> (loss: 0-d, outputs: dict)
 
-With ``reference=`` (a frozen model, PP=1 only), the forward step also runs the
-reference on the same micro-batch's tokens, without grad, and the loss gets its
-logits shard: ``loss_fn(logits_shard, mb, ref_logits_shard)``. The reference shard
+With ``reference=`` (a frozen model with the policy's layout), the forward step also
+runs the reference on the same micro-batch's tokens, without grad, and the loss gets
+its logits shard: ``loss_fn(logits_shard, mb, ref_logits_shard)``. The reference shard
 lives from that forward step to the micro-batch's backward, so one shard per stage
 is alive at a time, never ``[B, T, V/tp]`` for the whole batch (the exact ``full``
-KL needs it per token). At PP>1 the reference's hidden states would have to travel
-between stages next to the policy's; that is not implemented and refused here.
+KL needs it per token). At PP>1 the reference's hidden states travel between stages
+next to the policy's, in one activation of twice the batch (``_WithReference``): the
+policy's rows first, the reference's after them. The reference half carries no graph,
+so its share of the gradient sent back is zero and never reaches either model.
 
 ``loss`` must already be normalised by the *global* batch (the schedule is told
 not to divide by the number of micro-batches); ``outputs`` are detached values.
@@ -48,15 +50,14 @@ def run_microbatches(model, micro_batches: list[Any], loss_fn: Callable, ps: Par
                      *, forward_only: bool, reference=None) -> list[dict]:
     """Each ``mb`` holds at least ``tokens: [b, s]`` (long). Returns ``loss_fn`` outputs
     per micro-batch on the last stage, ``[]`` on other stages. ``reference``: a frozen
-    model whose logits shard of each micro-batch is passed to ``loss_fn`` (PP=1)."""
+    model whose logits shard of each micro-batch is passed to ``loss_fn`` (any PP)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    if reference is not None and ps.pp > 1:
-        raise ValueError(f"run_microbatches(reference=...) runs the reference inside the policy's "
-                         f"forward step, which needs pipeline_parallel=1 (got pp={ps.pp})")
     if not micro_batches:
         return []
     config = model.config
+    piped = reference is not None and ps.pp > 1
+    runner = _WithReference(model, reference) if piped else model
     config.variable_seq_lengths = ps.pp > 1
     # The schedule's p2p buffers use this dtype for activations.
     config.pipeline_dtype = next(model.parameters()).dtype
@@ -73,11 +74,14 @@ def run_microbatches(model, micro_batches: list[Any], loss_fn: Callable, ps: Par
         b, s = tokens.shape
         pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
         mask = causal_mask(s, tokens.device)
-        out = model(tokens, pos, mask)
+        out = model.module(tokens, pos, mask) if piped else model(tokens, pos, mask)
         ref_logits = None
         if reference is not None:
             with torch.no_grad():
                 ref_logits = reference(tokens, pos, mask)
+            if piped and not ps.is_last_stage:
+                # Hidden states [s, b, h] of both models go to the next stage as one tensor.
+                return torch.cat([out, ref_logits.to(out.dtype)], dim=1), partial(loss_func, mb, None)
         return out, partial(loss_func, mb, ref_logits)
 
     b, s = _tokens(micro_batches[0]).shape
@@ -88,6 +92,30 @@ def run_microbatches(model, micro_batches: list[Any], loss_fn: Callable, ps: Par
         ctx = torch.enable_grad()
     with ctx:
         outputs = fb(forward_step_func=forward_step, data_iterator=iter(micro_batches),
-                     model=[model], num_microbatches=len(micro_batches), seq_length=s,
+                     model=[runner], num_microbatches=len(micro_batches), seq_length=s,
                      micro_batch_size=b, forward_only=forward_only)
     return list(outputs) if ps.is_last_stage else []
+
+
+class _WithReference(torch.nn.Module):
+    """The policy and the frozen reference as one pipeline stage for megatron's schedule.
+
+    The activation received from the previous stage is ``[s, 2b, h]``: the policy's rows,
+    then the reference's; ``set_input_tensor`` hands each model its half. The schedule finds
+    ``config`` and ``model_type`` through ``module`` (megatron unwraps ``.module``)."""
+
+    def __init__(self, policy, reference):
+        super().__init__()
+        self.module = policy
+        self.reference = reference
+
+    def set_input_tensor(self, input_tensor) -> None:
+        x = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
+        if x is None:
+            self.module.set_input_tensor(None)
+            self.reference.set_input_tensor(None)
+            return
+        b = x.shape[1] // 2
+        self.module.set_input_tensor(x[:, :b])
+        self.reference.set_input_tensor(x[:, b:].detach())
+

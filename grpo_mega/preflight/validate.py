@@ -94,20 +94,6 @@ def _check_rewards(cfg: Config) -> None:
                               f"be called with them: {problem} (--reward.kwargs)")
 
 
-def _check_exact_kl_layout(cfg: Config) -> None:
-    """An exact KL kind (``full``) runs the reference inside the policy's forward step; at
-    PP>1 the reference's hidden states would have to travel between stages too, which the
-    schedule does not do, so such a run is refused here instead of at its first update."""
-    from grpo_mega import algorithms as A
-
-    a, p = cfg.algorithm, cfg.parallel
-    if a.kl_coef > 0 and A.kl_needs_logits(a.kl_kind) and p.pp > 1:
-        raise ConfigError(f"algorithm.kl_kind={a.kl_kind!r} (exact KL from the reference's logits) "
-                          f"is supported with parallel.pp=1 only, got parallel.pp={p.pp}; use "
-                          "--parallel.pp=1 (any tp and dp) or a sample estimator such as "
-                          "--algorithm.kl_kind=k3")
-
-
 def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: bool = True) -> Config:
     """Raise ConfigError naming the field and its fix; call before any process group.
 
@@ -161,7 +147,6 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
         raise ConfigError(f"algorithm.tis_cap={a.tis_cap} must be > 0 (--algorithm.tis_cap)")
     if a.kl_coef < 0:
         raise ConfigError(f"algorithm.kl_coef={a.kl_coef} must be >= 0 (--algorithm.kl_coef)")
-    _check_exact_kl_layout(cfg)
     if a.ref_reset_every < 0:
         raise ConfigError(f"algorithm.ref_reset_every={a.ref_reset_every} must be >= 0 (0: never reset) "
                           "(--algorithm.ref_reset_every)")

@@ -172,7 +172,8 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
 
     ``reference``: the frozen reference model, needed when ``algo.kl_kind`` is computed
     from logits (``full``): the schedule runs it on each micro-batch inside the policy's
-    forward step and the loss takes the exact KL of the two logits shards (PP=1 only).
+    forward step (at PP>1 its hidden states travel with the policy's) and the loss takes
+    the exact KL of the two logits shards.
     """
     tokens, seqs = A.global_batch_counts([mb.loss_mask for mb in micro], ps.dp_group if ps.dp > 1 else None)
     exact = algo.kl_coef > 0 and A.kl_needs_logits(algo.kl_kind)

@@ -108,21 +108,13 @@ def test_kl_aliases_are_valid_config_names():
         validate(load_config(None, [f"--algorithm.kl_kind={kind}"]), 1, check_hardware=False)
 
 
-def test_full_kl_is_accepted_at_pp1_and_refused_at_pp2_naming_both_flags():
-    """Guards against kl_kind=full passing validation on a pipeline layout whose schedule
-    cannot carry the reference's hidden states (the run would die at its first update),
-    and against refusing it where it works (any tp/dp at pp=1)."""
-    validate(load_config(None, ["--algorithm.kl_kind=full"]), 1, check_hardware=False)
-    validate(load_config(None, ["--algorithm.kl_kind=full", "--parallel.tp=2"]), 4,
-             check_hardware=False)
-    # kl_coef=0 builds no reference: the kind is irrelevant and not refused
-    validate(load_config(None, ["--algorithm.kl_kind=full", "--algorithm.kl_coef=0",
-                                "--parallel.pp=2"]), 2, check_hardware=False)
-    cfg = load_config(None, ["--algorithm.kl_kind=full", "--parallel.pp=2"])
-    with pytest.raises(ConfigError, match=r"algorithm.kl_kind='full'.*parallel.pp=1 only, got "
-                                          r"parallel.pp=2.*--parallel.pp=1"):
-        validate(cfg, 2, check_hardware=False)
-
+def test_full_kl_is_accepted_at_every_layout():
+    """Guards against validation refusing kl_kind=full on a layout the schedule carries it
+    through (PP>1 sends the reference's hidden states with the policy's; the update is
+    checked against PP=1 in tests/unit/trainer/test_full_kl_pp.py)."""
+    for flags, world in (([], 1), (["--parallel.tp=2"], 4), (["--parallel.pp=2"], 2),
+                         (["--parallel.tp=2", "--parallel.pp=2"], 4)):
+        validate(load_config(None, ["--algorithm.kl_kind=full", *flags]), world, check_hardware=False)
 
 def test_process_advantage_is_accepted_but_not_with_dynamic_sampling():
     """Guards against process supervision refused at load although the loop runs it, and
