@@ -300,6 +300,10 @@ class LoggingConfig:
     """Write TensorBoard events when tensorboard is installed."""
     wandb: bool = False
     """Log to Weights & Biases when installed."""
+    record_batches: bool = False
+    """Write each step's TrainingBatch (tokens, advantages, masks, rollout log-probs; before
+    the reference pass) to ``run_dir/batches/step{N}_dp{r}.pt``, one file per DP replica,
+    to replay an update at another layout. Costs a device-to-host copy per step."""
     verbose: bool = False
     """Show vLLM's own warnings and load bars. Off, vLLM logs errors only and an engine
     start is one line of ours (``VLLM_LOGGING_LEVEL`` set in the environment still wins)."""

@@ -45,6 +45,8 @@ def grpo_step(t: Trainer, step: int) -> dict:
         rollout, rewards = S.refill(t, step, rollout, rewards, stats, timings)
     with stage("advantage", timings):
         batch = S.advantage(t, rollout, rewards)
+    if t.cfg.logging.record_batches:
+        S.record(t, step, batch)
     metrics: dict = {"empty_step": 1.0}  # no group had a reward spread: nothing to learn from
     if len(batch):
         with stage("logprobs", timings):

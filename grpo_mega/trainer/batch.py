@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from grpo_mega import algorithms as A
@@ -87,6 +88,23 @@ class TrainingBatch:
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
+
+    def save(self, path) -> None:
+        """Write the batch as plain tensors (loads with ``weights_only=True``), for replaying
+        one step's update at another layout (``logging.record_batches``)."""
+        data = {k: v.detach().cpu() for k, v in dataclasses.asdict(self).items() if isinstance(v, Tensor)}
+        data.update(seq_lens=torch.tensor(self.seq_lens), pad_multiple=torch.tensor(self.pad_multiple))
+        torch.save(data, path)
+
+    @classmethod
+    def load(cls, path, device: torch.device | str = "cpu") -> "TrainingBatch":
+        """A batch written by ``save``, on ``device`` (targets re-made as the shifted view)."""
+        d = torch.load(path, weights_only=True, map_location="cpu")
+        tokens = d["tokens"].to(device)
+        opt = {k: d[k].to(device) for k in ("old_logp", "ref_logp") if k in d}
+        return cls(tokens=tokens, targets=tokens[:, 1:], loss_mask=d["loss_mask"].to(device),
+                   advantages=d["advantages"].to(device), rollout_logp=d["rollout_logp"].to(device),
+                   seq_lens=d["seq_lens"].tolist(), pad_multiple=int(d["pad_multiple"]), **opt)
 
     @property
     def num_tokens(self) -> int:
@@ -167,7 +185,7 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
     (``A.global_batch_counts`` over DP), so gradients are summed over micro-batches
     and DP ranks. ``reuse_current_as_old``: with one PPO epoch and no TIS, old
     log-probs equal the current ones, so no extra forward was run. Returns the
-    metrics as 0-d float64 device tensors (``grad_norm`` / ``skipped`` as floats from
+    metrics over all DP replicas' rows as 0-d float64 device tensors (``grad_norm`` / ``skipped`` as floats from
     the optimizer); ``metrics_to_floats`` turns them into numbers once per step.
 
     ``reference``: the frozen reference model, needed when ``algo.kl_kind`` is computed
@@ -218,6 +236,12 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
         for k, v in o.items():
             sums[k] = sums[k] + v if k in sums else v
     metrics: dict[str, Tensor | float] = {"loss": 0.0, "rollout_logp_gap": 0.0}  # not the last stage
+    if sums and ps.dp > 1:
+        # Each replica summed its own rows: the step's metrics are over all replicas' rows.
+        keys = sorted(sums)
+        flat = torch.stack([sums[k].reshape(()) for k in keys])
+        dist.all_reduce(flat, group=ps.dp_group)
+        sums = dict(zip(keys, flat.unbind()))
     if sums:
         n = sums.pop("n_tokens").clamp(min=1.0)
         metrics = {k: v / n for k, v in sums.items() if k not in ("loss", "rollout_gap_sum")}

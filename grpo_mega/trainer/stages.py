@@ -19,6 +19,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
@@ -193,6 +194,15 @@ def advantage(t: Trainer, batch: RolloutBatch | KeptGroups, rewards: list) -> Tr
         adv = A.group_advantages(torch.tensor(rewards), t.cfg.rollout.n, norm=algo.norm, baseline=algo.baseline)
     return TrainingBatch.pack(batch.prompt_ids, batch.response_ids, batch.logprobs, adv, pad_id=t.pad_id,
                               device=t.ps.device, pad_to_multiple=seq_multiple(t.cfg.model))
+
+
+def record(t: Trainer, step: int, batch: TrainingBatch) -> None:
+    """``logging.record_batches``: this replica's batch to ``run_dir/batches``, written by
+    its first rank (every rank of a replica holds the same batch)."""
+    if t.ps.tp_rank == 0 and t.ps.pp_rank == 0:
+        out = Path(t.cfg.logging.run_dir) / "batches"
+        out.mkdir(parents=True, exist_ok=True)
+        batch.save(out / f"step{step:06d}_dp{t.ps.dp_rank}.pt")
 
 
 def _process_advantages(t: Trainer, batch: RolloutBatch, steps: list) -> torch.Tensor:
