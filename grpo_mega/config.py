@@ -100,6 +100,20 @@ class ModelConfig:
     """Delayed scaling: how many steps of amax history set each scale."""
     fp8_amax_compute_algo: str = "max"
     """Delayed scaling: ``max`` or ``most_recent`` of the amax history."""
+    recompute: str = "none"
+    """Activation recomputation in the policy's backward (megatron ``recompute_granularity``):
+    ``none``; ``selective`` (core attention only: its [b, heads, s, s] scores and softmax are
+    recomputed instead of stored; little extra compute); ``full`` (only each chunk of
+    ``recompute_num_layers`` layers keeps its input; the chunk's forward runs again in the
+    backward, about a third more compute). The frozen reference never recomputes."""
+    recompute_num_layers: int = 1
+    """``full``: layers per recomputed chunk (megatron's ``uniform`` method); must divide into
+    the layers of one pipeline stage."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism with ``parallel.tp`` > 1: activations outside attention
+    and the MLP (norms, residuals) are split over the sequence across the TP ranks, dividing
+    their memory by tp. Needs the Transformer Engine spec, so a GPU; sequences are padded to
+    a multiple of tp."""
     reference_fp8: bool = False
     """Run the frozen reference model in FP8 too (format and recipe as above); by default
     it runs in ``dtype`` (bf16) without gradients."""

@@ -130,6 +130,10 @@ def apply() -> bool:
     mtp.model_parallel_cuda_manual_seed = _cpu_model_parallel_seed
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Activation recomputation (CheckpointFunction) saves and restores the CUDA generator
+    # next to the CPU one; here the CPU generator is the only one, restored with it.
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
 
     # The schedules allocate their token counter with device="cuda".
     from megatron.core.pipeline_parallel import schedules

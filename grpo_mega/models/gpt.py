@@ -56,8 +56,10 @@ def head_dim(m: ModelConfig) -> int:
     return m.head_dim or m.hidden_size // m.num_attention_heads
 
 
-def transformer_config(m: ModelConfig, ps: ParallelState, *, use_te: bool, fp8: bool = False):
-    """megatron's TransformerConfig for ``m``; ``fp8`` adds the FP8 recipe fields (TE only)."""
+def transformer_config(m: ModelConfig, ps: ParallelState, *, use_te: bool, fp8: bool = False,
+                       train: bool = True):
+    """megatron's TransformerConfig for ``m``; ``fp8`` adds the FP8 recipe fields (TE only);
+    ``train`` False (a frozen reference, forward only) drops activation recomputation."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = _DTYPES[m.dtype]
@@ -82,6 +84,8 @@ def transformer_config(m: ModelConfig, ps: ParallelState, *, use_te: bool, fp8: 
         # from dividing it again by num_microbatches.
         calculate_per_token_loss=True,
         deallocate_pipeline_outputs=False,
+        sequence_parallel=m.sequence_parallel and ps.tp > 1,
+        **recompute_fields(m, train),
     )
     if fp8 and not use_te:
         raise ValueError(f"model.fp8={m.fp8} needs the Transformer Engine layer spec, which needs TE "
@@ -90,6 +94,16 @@ def transformer_config(m: ModelConfig, ps: ParallelState, *, use_te: bool, fp8: 
     config = TransformerConfig(**kwargs)
     set_yarn_fields(config, m)
     return config
+
+
+def recompute_fields(m: ModelConfig, train: bool = True) -> dict:
+    """TransformerConfig fields for ``model.recompute`` (none / selective / full)."""
+    if not train or m.recompute == "none":
+        return {}
+    if m.recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    return dict(recompute_granularity="full", recompute_method="uniform",
+                recompute_num_layers=m.recompute_num_layers)
 
 
 def layer_spec(m: ModelConfig, use_te: bool):
@@ -110,7 +124,7 @@ def build_model(m: ModelConfig, ps: ParallelState, *, frozen: bool = False,
 
     if use_te is None:
         use_te = ps.device.type == "cuda" and te_available()
-    cfg = transformer_config(m, ps, use_te=use_te, fp8=fp8_enabled(m, frozen=frozen))
+    cfg = transformer_config(m, ps, use_te=use_te, fp8=fp8_enabled(m, frozen=frozen), train=not frozen)
     model = GPTModel(
         config=cfg, transformer_layer_spec=layer_spec(m, use_te),
         vocab_size=padded_vocab_size(m.vocab_size, ps.tp, m.make_vocab_size_divisible_by),

@@ -25,6 +25,8 @@ on CPU with the hardware facts passed in.
 """
 from __future__ import annotations
 
+import math
+
 from typing import Optional, Tuple
 
 FP8_FORMATS = ("none", "hybrid", "e4m3")
@@ -153,6 +155,8 @@ def fp8_transformer_fields(m, *, enabled: bool) -> dict:
     return fields
 
 
-def seq_multiple(m) -> int:
-    """Pad micro-batch sequence lengths to this multiple (16 for FP8 GEMMs, else 1)."""
-    return FP8_SEQ_MULTIPLE if m.fp8 != "none" else 1
+def seq_multiple(m, tp: int = 1) -> int:
+    """Pad micro-batch sequence lengths to this multiple: 16 for FP8 GEMMs, a multiple of tp
+    with sequence parallelism (the sequence is split over the TP ranks), else 1."""
+    base = FP8_SEQ_MULTIPLE if m.fp8 != "none" else 1
+    return math.lcm(base, tp) if m.sequence_parallel and tp > 1 else base

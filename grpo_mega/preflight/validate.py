@@ -94,6 +94,31 @@ def _check_rewards(cfg: Config) -> None:
                               f"be called with them: {problem} (--reward.kwargs)")
 
 
+RECOMPUTE = ("none", "selective", "full")
+"""``model.recompute`` values: megatron's recompute granularities, plus none."""
+
+
+def _check_memory_savers(m, p, check_hardware: bool) -> None:
+    """``model.recompute`` and ``model.sequence_parallel``, before megatron sees them."""
+    if m.recompute not in RECOMPUTE:
+        raise ConfigError(f"model.recompute={m.recompute!r} is not one of {list(RECOMPUTE)} (--model.recompute)")
+    per_stage = m.num_layers // max(p.pp, 1)
+    if m.recompute == "full" and not (1 <= m.recompute_num_layers <= per_stage
+                                      and per_stage % m.recompute_num_layers == 0):
+        raise ConfigError(f"model.recompute_num_layers={m.recompute_num_layers} must divide the "
+                          f"{per_stage} layers of a pipeline stage (--model.recompute_num_layers)")
+    if m.sequence_parallel and p.tp == 1:
+        raise ConfigError("model.sequence_parallel=true splits activations over the TP ranks and needs "
+                          "parallel.tp > 1 (--model.sequence_parallel=false)")
+    if m.sequence_parallel and check_hardware:
+        import torch
+
+        from grpo_mega.models.precision import te_available
+        if not (torch.cuda.is_available() and te_available()):
+            raise ConfigError("model.sequence_parallel=true needs the Transformer Engine layers, so a GPU "
+                              "with transformer_engine installed (--model.sequence_parallel=false)")
+
+
 def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: bool = True) -> Config:
     """Raise ConfigError naming the field and its fix; call before any process group.
 
@@ -216,6 +241,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
             if dim % 16:
                 raise ConfigError(f"model.fp8={m.fp8}: FP8 GEMMs need model.{name}={dim} to be a "
                                   f"multiple of 16 (--model.fp8=none)")
+    _check_memory_savers(m, p, check_hardware)
     if check_hardware:
         problem = check_fp8_here(m.fp8, m.fp8_recipe)
         if problem:
