@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from grpo_mega.data import PromptDataset
     from grpo_mega.data.tokenizer import HFTokenizer, SentencePieceTokenizer
     from grpo_mega.distributed.state import ParallelState
-    from grpo_mega.optim.adamw import ParallelAdamW
+    from grpo_mega.optim import DistributedAdamW, ParallelAdamW
     from grpo_mega.rewards import RewardScorer
     from grpo_mega.rollout import RolloutEngine
     from grpo_mega.trainer.metrics import MetricsSink
@@ -43,7 +43,7 @@ class Trainer:
     model: GPTModel
     ref: Optional[GPTModel]
     """Frozen reference policy for the KL term; None when kl_coef is 0."""
-    optimizer: ParallelAdamW
+    optimizer: ParallelAdamW | DistributedAdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
     tokenizer: SentencePieceTokenizer | HFTokenizer
     dataset: PromptDataset
