@@ -185,13 +185,3 @@ class ParallelAdamW:
 
     def load_state_dict(self, sd):
         self.opt.load_state_dict(sd)
-
-
-def build_optimizer(model, cfg: OptimizerConfig, ps: ParallelState):
-    """``DistributedAdamW`` (state sharded over DP) with ``optimizer.use_distributed_optimizer``,
-    else ``ParallelAdamW``; both run on CPU and GPU. Build it before the first backward:
-    the distributed one collects gradients with hooks."""
-    if cfg.use_distributed_optimizer:
-        from grpo_mega.optim.distributed import DistributedAdamW
-        return DistributedAdamW(model, cfg, ps)
-    return ParallelAdamW(model, cfg, ps)

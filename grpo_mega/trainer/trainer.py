@@ -170,7 +170,7 @@ def build_trainer(argv=None) -> Trainer:
     if ref is not None and cfg.checkpoint.offload_reference:
         from grpo_mega.models import offload
         offload(ref, torch.device("cpu"))
-    from grpo_mega.optim.adamw import build_optimizer
+    from grpo_mega.optim import build_optimizer
     optimizer = build_optimizer(model, cfg.optimizer, ps)
     warm = max(cfg.optimizer.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
