@@ -256,8 +256,10 @@ class OptimizerConfig:
     warmup_steps: int = 0
     """Linear warm-up steps."""
     use_distributed_optimizer: bool = False
-    """Shard optimizer state over DP (megatron's distributed-optimizer layout). Not wired into
-    the loop yet: ``true`` is refused at start-up; ``check_config`` budgets it."""
+    """ZeRO-1 over the DP group (``optim/distributed.py``, megatron's distributed-optimizer
+    layout): gradients reduce-scattered, Adam moments and fp32 master weights kept for this
+    rank's 1/dp slice only, weights all-gathered after each step. Same updates and
+    checkpoints as ``false`` (a checkpoint resumes at any dp with either setting)."""
 
 
 @dataclass

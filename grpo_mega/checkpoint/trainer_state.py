@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
 
@@ -112,10 +113,13 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: Pa
         tmp.mkdir()
     _barrier()
     model_sd = sharded_state_dict(model, ps)
-    sharded = {"model": model_sd, "optimizer": _optimizer_sharded(model_sd, optimizer)}
-    if reference is not None:
-        sharded["reference"] = _reference_sharded(reference, ps)
-    dist_checkpointing.save(sharded, str(tmp))
+    # A DP-sharded optimizer gathers whole per-parameter state for the save, so the
+    # files do not depend on dp (or on which optimizer wrote them).
+    with optimizer.full_state():
+        sharded = {"model": model_sd, "optimizer": _optimizer_sharded(model_sd, optimizer)}
+        if reference is not None:
+            sharded["reference"] = _reference_sharded(reference, ps)
+        dist_checkpointing.save(sharded, str(tmp))
     torch.save({"rng_cpu": torch.get_rng_state(), "layout": (ps.tp, ps.pp, ps.dp),
                 "adam_step": optimizer.adam_step},
                tmp / f"rank_{ps.rank:05d}.pt")
@@ -142,8 +146,6 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, ps: ParallelState
     """Load into the built model (any layout) and optimizer; returns the saved common dict.
     ``reference``: the built reference model; loaded from the checkpoint when it holds one
     (``reference_stored``), else left as built (the initial weights)."""
-    from megatron.core import dist_checkpointing
-
     path = Path(path)
     meta_file = path / "grpo_meta.json"
     if not meta_file.exists():
@@ -158,6 +160,16 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, ps: ParallelState
                 f"checkpoint {path} was saved for a different model: "
                 + ", ".join(f"model.{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
                 + "; fix --model.* or point --checkpoint.dir elsewhere")
+    # A DP-sharded optimizer takes its slices of the whole state (and, in fp32, its
+    # master from the loaded weights) when this block ends.
+    with optimizer.full_state(write_back=True) if optimizer is not None else nullcontext():
+        _load_into(path, model, optimizer, ps, reference, meta)
+    return meta
+
+
+def _load_into(path: Path, model, optimizer, ps: ParallelState, reference, meta: dict) -> None:
+    from megatron.core import dist_checkpointing
+
     model_sd = sharded_state_dict(model, ps)
     sharded = {"model": model_sd}
     if optimizer is not None:
@@ -190,4 +202,3 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, ps: ParallelState
         optimizer.adam_step = float(any_rank.get("adam_step", 0.0))
         if extra and tuple(extra["layout"]) == (ps.tp, ps.pp, ps.dp):
             torch.set_rng_state(extra["rng_cpu"])
-    return meta

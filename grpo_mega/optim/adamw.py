@@ -1,7 +1,8 @@
 """Optimizer with gradient reduction and global-norm clipping across TP/PP/DP.
 
 megatron's DDP wrapper and ``get_megatron_optimizer`` allocate on CUDA and
-keep their own state layout, so ``ParallelAdamW`` is used on CPU and GPU:
+keep their own state layout, so ``ParallelAdamW`` is used on CPU and GPU (its
+DP-sharded sibling is ``optim/distributed.py``):
 
 * gradients are summed over DP (the loss is already normalised by the global
   token count, so a sum is the right reduction, not a mean);
@@ -15,6 +16,7 @@ Only the reduction groups from ``ParallelState`` are used; nothing global.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -24,7 +26,8 @@ from grpo_mega.config import OptimizerConfig
 from grpo_mega.distributed.state import ParallelState
 
 
-def _counts_once(p: torch.nn.Parameter, ps: ParallelState) -> bool:
+def counts_once(p: torch.nn.Parameter, ps: ParallelState) -> bool:
+    """Whether ``p``'s gradient enters the global norm on this rank (each parameter once)."""
     if getattr(p, "shared", False) and ps.pp > 1:
         return False  # last stage's copy of the tied embedding; stage 0 counts it
     return bool(getattr(p, "tensor_model_parallel", False)) or ps.tp_rank == 0
@@ -34,7 +37,7 @@ def global_grad_norm(params: list[torch.nn.Parameter], ps: ParallelState) -> flo
     """L2 norm of all gradients of the whole model (all TP shards, all stages), fp64 sums."""
     sq = torch.zeros((), dtype=torch.float64, device=ps.device)
     for p in params:
-        if p.grad is not None and _counts_once(p, ps):
+        if p.grad is not None and counts_once(p, ps):
             sq += p.grad.detach().double().pow(2).sum()
     if ps.world_size > 1:
         # Sum over the model-parallel group (TP x PP) only: DP replicas hold equal grads.
@@ -139,6 +142,17 @@ class ParallelAdamW:
                     p.copy_(master)
         return {"grad_norm": norm, "clip_coef": coef, "skipped": False}
 
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds: Adam moments, plus fp32 masters in bf16."""
+        n = sum(t.numel() * t.element_size() for st in self.opt.state.values()
+                for k, t in st.items() if k in ("exp_avg", "exp_avg_sq"))
+        return n + (sum(m.numel() * m.element_size() for m in self.main) if self.mixed else 0)
+
+    def full_state(self, write_back: bool = False):
+        """``state_tensors`` is valid at any time here (the state is whole on every rank);
+        the context exists for ``DistributedAdamW``'s sake, which gathers its slices."""
+        return contextlib.nullcontext(self)
+
     def state_tensors(self, p: torch.nn.Parameter) -> dict:
         """The per-parameter tensors a checkpoint must hold for model parameter ``p``, shaped
         like it: Adam's moments, plus the fp32 master weight when training in bf16.
@@ -171,9 +185,3 @@ class ParallelAdamW:
 
     def load_state_dict(self, sd):
         self.opt.load_state_dict(sd)
-
-
-def build_optimizer(model, cfg: OptimizerConfig, ps: ParallelState):
-    """``ParallelAdamW`` on CPU and GPU (megatron's DistributedOptimizer is refused by
-    config validation until the loop's schedule and checkpoints can drive it)."""
-    return ParallelAdamW(model, cfg, ps)

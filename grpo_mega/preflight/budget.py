@@ -19,9 +19,11 @@ The budget is an estimate for the worst pipeline stage of one GPU, in GiB:
 * parameters: counted from the model shape (embedding, QKV(+bias), output projection,
   SwiGLU fc1 [gate; up] and fc2, RMSNorms, untied output layer), vocabulary padded
   as the model builder pads it; matrices are split over TP, norms are replicated.
-* weights in ``model.dtype``; gradients in fp32 (megatron's main grads); Adam m and v in
-  fp32 plus an fp32 master copy when the weights are bf16 (12 B/param), divided over DP
-  with ``optimizer.use_distributed_optimizer``; a frozen reference copy when
+* weights in ``model.dtype``; gradients in fp32 (megatron's main grads, whole on every
+  rank in both optimizers); Adam m and v in fp32 plus an fp32 master copy when the weights
+  are bf16 or the optimizer is distributed (12 B/param), divided over DP with
+  ``optimizer.use_distributed_optimizer`` (``optim/distributed.py``; a checkpoint save
+  gathers the whole state for its duration, a transient not counted here); a frozen reference copy when
   ``algorithm.kl_coef > 0`` (unless ``checkpoint.offload_reference``).
 * activations, without recompute, flash attention and no sequence parallelism, per token
   and layer: ``4h`` replicated (two norm inputs, QKV and fc1 inputs) plus
@@ -194,12 +196,15 @@ def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = 80.0) -> Budget:
     b = Budget(gpu_gib=gpu_gib)
 
     dist_opt = o.use_distributed_optimizer and dp > 1
-    opt_bytes = 8 + (4 if wb < 4 else 0)
+    # DistributedAdamW keeps an fp32 master slice even for fp32 weights (the weights are
+    # all-gathered from it), so it is 12 B/param / dp in either dtype.
+    master = wb < 4 or o.use_distributed_optimizer
+    opt_bytes = 8 + (4 if master else 0)
     b.trainer.append(Row("policy weights", n * wb / GiB, f"{n / 1e9:.2f}B params/GPU in {m.dtype}"))
     b.trainer.append(Row("gradients", n * 4 / GiB, "fp32 main grads"))
     b.trainer.append(Row("optimizer", n * opt_bytes / (dp if dist_opt else 1) / GiB,
-                         f"Adam m, v{' + fp32 master' if wb < 4 else ''} ({opt_bytes} B/param)"
-                         + (f", distributed over dp={dp} (planned: refused at start-up today)" if dist_opt else ", not sharded")))
+                         f"Adam m, v{' + fp32 master' if master else ''} ({opt_bytes} B/param)"
+                         + (f", distributed over dp={dp}" if dist_opt else ", not sharded")))
     ref_on = cfg.algorithm.kl_coef > 0
     offload = cfg.checkpoint.offload_reference
     b.trainer.append(Row("reference weights", n * wb / GiB if ref_on and not offload else 0.0,

@@ -255,11 +255,4 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
         if not fused_available(dev):
             raise ConfigError("algorithm.logprob_kernel=triton needs Triton and a CUDA GPU (or "
                               "TRITON_INTERPRET=1 on CPU); use --algorithm.logprob_kernel=torch or auto")
-    if check_hardware and o.use_distributed_optimizer:
-        # Checked at start-up only: check_config still budgets the sharded layout of the
-        # scale configs, which is what they will use once the loop can drive it.
-        raise ConfigError("optimizer.use_distributed_optimizer=true: the DP-sharded optimizer is not "
-                          "wired into the loop's LR schedule and checkpoints yet; use "
-                          "--optimizer.use_distributed_optimizer=false (python -m "
-                          "grpo_mega.preflight.budget shows the unsharded memory budget)")
     return cfg

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from grpo_mega.data import PromptDataset
     from grpo_mega.data.tokenizer import HFTokenizer, SentencePieceTokenizer
     from grpo_mega.distributed.state import ParallelState
-    from grpo_mega.optim.adamw import ParallelAdamW
+    from grpo_mega.optim import DistributedAdamW, ParallelAdamW
     from grpo_mega.rewards import RewardScorer
     from grpo_mega.rollout import RolloutEngine
     from grpo_mega.trainer.metrics import MetricsSink
@@ -43,7 +43,7 @@ class Trainer:
     model: GPTModel
     ref: Optional[GPTModel]
     """Frozen reference policy for the KL term; None when kl_coef is 0."""
-    optimizer: ParallelAdamW
+    optimizer: ParallelAdamW | DistributedAdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
     tokenizer: SentencePieceTokenizer | HFTokenizer
     dataset: PromptDataset
@@ -170,7 +170,7 @@ def build_trainer(argv=None) -> Trainer:
     if ref is not None and cfg.checkpoint.offload_reference:
         from grpo_mega.models import offload
         offload(ref, torch.device("cpu"))
-    from grpo_mega.optim.adamw import build_optimizer
+    from grpo_mega.optim import build_optimizer
     optimizer = build_optimizer(model, cfg.optimizer, ps)
     warm = max(cfg.optimizer.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -67,13 +67,35 @@ def test_fp8_and_optimizer_layout_errors_name_the_flag(overrides, needle):
         validate(load_config(None, overrides), 1, check_hardware=False)
 
 
-def test_distributed_optimizer_is_refused_at_start_up_not_in_budget_checks():
-    """Guards against a run that starts with a flag the loop cannot honour (it crashed on
-    GPU before), while the scale configs' budgets, which assume it, still validate."""
-    cfg = load_config(None, ["--optimizer.use_distributed_optimizer=true"])
-    validate(cfg, 1, check_hardware=False)
-    with pytest.raises(ConfigError, match="use_distributed_optimizer=false"):
-        validate(cfg, 1)
+def test_distributed_optimizer_flag_starts_and_builds_the_sharded_optimizer():
+    """Guards against ``optimizer.use_distributed_optimizer=true`` being refused at start-up
+    or silently ignored (the unsharded optimizer built instead), and against the DP=1 path
+    of the sharded optimizer (its slice is the whole buffer, no collectives) diverging from
+    ``ParallelAdamW`` over three clipped, weight-decayed steps. Multi-rank: tests/unit/optim."""
+    import copy
+    import dataclasses
+
+    from grpo_mega.optim import DistributedAdamW, ParallelAdamW, build_optimizer
+
+    validate(load_config(None, ["--optimizer.use_distributed_optimizer=true"]), 1)
+    torch.manual_seed(0)
+    a = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 1))
+    b, init = copy.deepcopy(a), copy.deepcopy(a)
+    cfg = OptimizerConfig(lr=1e-2, clip_grad=0.1, weight_decay=0.1)
+    sharded = build_optimizer(a, dataclasses.replace(cfg, use_distributed_optimizer=True), _ps())
+    plain = build_optimizer(b, cfg, _ps())
+    assert isinstance(sharded, DistributedAdamW) and isinstance(plain, ParallelAdamW)
+    x = torch.randn(5, 4)
+    for _ in range(3):
+        infos = []
+        for model, opt in ((a, sharded), (b, plain)):
+            opt.zero_grad()
+            model(x).pow(2).sum().backward()
+            infos.append(opt.step())
+        assert infos[0]["clip_coef"] < 1.0 and abs(infos[0]["grad_norm"] - infos[1]["grad_norm"]) < 1e-6
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(p, q, atol=1e-7, rtol=0), (p, q)
+    assert not torch.equal(a[0].weight, init[0].weight)  # the steps moved the weights
 
 
 def _ps():
