@@ -43,6 +43,10 @@ CONFIGS = {  # name: (file, world size, nodes of 8 GPUs)
     "llama3_70b": ("launch/configs/llama3_70b.yaml", 64, 8),
 }
 COLLECTIVE = "tests/scripts/launch_collective.py"
+# The scale configs set optimizer.use_distributed_optimizer: true, which start-up (and so
+# --check-config) refuses until the DP-sharded optimizer is wired into the loop; checks of
+# everything else about them switch it off.
+STARTS = ["--optimizer.use_distributed_optimizer=false"]
 
 # The job every real launch below runs at world size 2 (TP=2 over gloo): ENTRY module,
 # CONFIG file ("" = none), config overrides, and a line its rank 0 prints on success:
@@ -115,7 +119,8 @@ def test_dry_run_prints_exact_multinode_command():
     assert cmd[-4:] == ["-m", "grpo_mega.train", "--parallel.tp=2", '--rollout.stop=["a b"]']
 
     # Node 0 hosts the store; one node uses a free port; a .py ENTRY runs as a script.
-    env.update(NODE_RANK="0", ENTRY=COLLECTIVE, CONFIG="launch/configs/llama3_8b.yaml", NPROC_PER_NODE="4")
+    env.update(NODE_RANK="0", ENTRY=COLLECTIVE, CONFIG="launch/configs/llama3_8b.yaml", NPROC_PER_NODE="4",
+               SKIP_CONFIG_CHECK="1")
     cmd = shlex.split(run_script([TORCHRUN_SH, "--dry-run"], env).stdout.splitlines()[-1])[2:]
     assert "is_host=1" in cmd[cmd.index("--rdzv-conf") + 1]
     assert cmd[-3:] == [COLLECTIVE, "--config", "launch/configs/llama3_8b.yaml"]
@@ -159,7 +164,7 @@ def test_scale_config_validates_and_fits_80gb(name):
     """The scale configs must load, pass the trainer's own validation at their world size,
     and fit an 80 GiB GPU with the engine's KV cache able to hold at least one sequence."""
     path, world, nodes = CONFIGS[name]
-    cfg = load_config(str(REPO / path))
+    cfg = load_config(str(REPO / path), STARTS)
     validate(cfg, world, check_hardware=False)
     layout = cc.derive_layout(cfg, world)
     assert layout.nodes == nodes and layout.tp * layout.pp * layout.dp == world
@@ -224,17 +229,49 @@ def test_check_config_cli_and_torchrun_check_config():
     """--check-config must print layout and budget without starting anything, from the
     config's own layout or from NNODES/NPROC_PER_NODE; a mismatch exits 2 naming the fix."""
     path = CONFIGS["llama3_70b"][0]
-    r = run_script([TORCHRUN_SH, "--check-config"], launch_env(CONFIG=path))
+    r = run_script([TORCHRUN_SH, "--check-config", *STARTS], launch_env(CONFIG=path))
     assert r.returncode == 0, r.stderr
     assert "world 64 = tp 8 x pp 4 x dp 2 on 8 node(s)" in r.stdout
     for row in ("policy weights", "gradients", "optimizer", "activations", "KV cache", "peak"):
         assert row in r.stdout
-    r = run_script([TORCHRUN_SH, "--check-config", "--parallel.dp=0"],
+    r = run_script([TORCHRUN_SH, "--check-config", "--parallel.dp=0", *STARTS],
                    launch_env(CONFIG=path, NNODES="16", NPROC_PER_NODE="8"))
     assert r.returncode == 0 and "world 128 = tp 8 x pp 4 x dp 4 on 16 node(s)" in r.stdout, r.stderr
     r = run_script([sys.executable, "-m", "grpo_mega.preflight.budget", "--config", path, "--world-size", "48"],
                    launch_env())
     assert r.returncode == 2 and "world size 48" in r.stderr and "--parallel" in r.stderr
+
+
+def _start_up_verdict(path: str, world: int, overrides: list[str]) -> str:
+    """What the trainer's start-up validation says on this machine: "ok" or the error. The
+    GPU probes are run too, so only configs they accept on a CPU are compared."""
+    try:
+        validate(load_config(str(REPO / path), overrides), world)
+        return "ok"
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("overrides", [[], STARTS, [*STARTS, "--rollout.tp=3"],
+                                       [*STARTS, "--rollout.engine_mode=inprocess"],
+                                       [*STARTS, "--data.prompts_per_step=66", "--data.mini_batch_size=132"]],
+                         ids=["as-written", "starts", "rollout-tp-3", "inprocess", "prompts-66"])
+def test_scale_config_check_config_refuses_what_start_up_refuses(overrides):
+    """Guards against launch/torchrun.sh --check-config passing a config the trainer refuses
+    at start-up (it used to validate with every start-up-only check off, so the scale
+    configs queued and then failed): on the 32B config (world 32, engine TP 8) the launcher
+    and the trainer's own validation must agree, error for error. A rollout.tp that does not
+    divide the world, an in-process engine in a world of 32, or 66 prompts over 4 engine
+    replicas of 8 ranks must fail before queueing."""
+    path = CONFIGS["qwen2.5_32b"][0]
+    want = _start_up_verdict(path, 32, overrides)
+    r = run_script([TORCHRUN_SH, "--check-config", *overrides], launch_env(CONFIG=path))
+    if want == "ok":
+        assert r.returncode == 0 and "fits" in r.stdout, r.stderr
+    else:
+        assert r.returncode == 2 and want in r.stderr, (want, r.stderr)
+    if overrides[1:]:
+        assert want != "ok"  # each of these is refused
 
 
 # --------------------------------------------------------------------- k8s manifest
@@ -265,7 +302,7 @@ def test_pytorchjob_manifest_structure():
         shared = [m for m in c["volumeMounts"] if "persistentVolumeClaim" in vols[m["name"]]]
         assert shared and any(f"{shared[0]['mountPath']}/" in a and "checkpoint.dir" in a for a in c["command"])
         # The config it names exists, and its layout fills exactly this job.
-        cfg = load_config(str(REPO / env["CONFIG"]))
+        cfg = load_config(str(REPO / env["CONFIG"]), STARTS)
         validate(cfg, int(env["NNODES"]) * int(env["NPROC_PER_NODE"]), check_hardware=False)
     assert containers["Master"] == containers["Worker"]
     assert "elasticPolicy" not in job["spec"]  # fixed TP x PP x DP layout: not elastic
@@ -280,7 +317,8 @@ def test_pytorchjob_command_yields_expected_torchrun_line():
     for role, rank in (("Master", 0), ("Worker", 2)):
         c = job["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"]["containers"][0]
         env = launch_env(**{e["name"]: e["value"] for e in c["env"]},
-                         MASTER_ADDR="grpo-mega-qwen32b-master-0", MASTER_PORT="23456", RANK=str(rank))
+                         MASTER_ADDR="grpo-mega-qwen32b-master-0", MASTER_PORT="23456", RANK=str(rank),
+                         SKIP_CONFIG_CHECK="1")
         script = c["command"][-1].replace("exec launch/torchrun.sh", "exec launch/torchrun.sh --dry-run")
         r = run_script([*c["command"][:-1], script], env)
         assert r.returncode == 0, r.stderr
@@ -295,7 +333,7 @@ def test_pytorchjob_command_yields_expected_torchrun_line():
 def test_sbatch_dry_run_outside_slurm():
     """The template must say what it would run: head node, port from the job id, run dir
     per job id (stable across requeues, so resume is automatic), one agent per node."""
-    r = run_script([SBATCH, "--dry-run", "--algorithm.steps=3"],
+    r = run_script([SBATCH, "--dry-run", "--algorithm.steps=3", *STARTS],
                    launch_env(SLURM_JOB_NUM_NODES="4", CONFIG=CONFIGS["qwen2.5_32b"][0]))
     assert r.returncode == 0, r.stderr
     out = r.stdout
