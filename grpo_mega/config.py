@@ -152,7 +152,16 @@ class RolloutConfig:
     seed: int = 0
     """Sampling seed; each request's seed is a hash of (seed, step, prompt index), so a resumed run resamples identically."""
     engine_mode: str = "auto"
-    """``auto``, ``external_launcher`` (colocated in every rank), ``child`` (own process) or ``inprocess``."""
+    """``auto``, ``external_launcher`` (colocated in every rank), ``child`` (own process) or
+    ``inprocess`` (a job of one process only). ``auto``: ``inprocess`` alone, else
+    ``external_launcher``."""
+    tp: int = 0
+    """Ranks per rollout engine replica, independent of the trainer's layout: replica k sits on
+    the ``tp`` consecutive global ranks [k*tp, (k+1)*tp), whatever megatron's rank order, and
+    the job has world/tp replicas, each sampling its slice of the step's prompts (the samples
+    are then handed to the trainer's DP replicas). With ``external_launcher`` it is vLLM's
+    tensor-parallel size (vLLM slices the full weights the bridge sends); a ``child`` engine
+    runs on the block's first rank at TP 1. 0 means ``parallel.tp``."""
     gpu_memory_utilization: float = 0.3
     """Fraction of GPU memory the engine may take (GPU only)."""
     max_model_len: int = 256
@@ -513,6 +522,11 @@ def derived_dp(cfg: Config, world_size: int) -> int:
     """Data-parallel size: ``parallel.dp``, or the world size over tp x pp when 0."""
     mp = cfg.parallel.tp * cfg.parallel.pp
     return cfg.parallel.dp or max(world_size // mp, 1)
+
+
+def rollout_tp(cfg: Config) -> int:
+    """Ranks per rollout engine replica: ``rollout.tp``, or ``parallel.tp`` when 0."""
+    return cfg.rollout.tp or cfg.parallel.tp
 
 
 def cli_config(argv: Optional[list[str]] = None) -> Config:

@@ -12,8 +12,17 @@
 #   # what would run / the derived layout and memory budget, without starting anything:
 #   launch/torchrun.sh --dry-run
 #   CONFIG=launch/configs/llama3_70b.yaml launch/torchrun.sh --check-config
+#   # the same config's parallel pattern on this machine (CPU is fine), tiny widths, 2 steps:
+#   CONFIG=launch/configs/llama3_70b.yaml launch/torchrun.sh --shrink
 #
-# Options (before any override): --dry-run, --check-config, -h/--help.
+# Options (before any override): --dry-run, --check-config, --shrink, -h/--help.
+#   --check-config  the trainer's own start-up validation (only the GPU probes for FP8 and
+#                   Triton are skipped) and the per-GPU memory budget; a config the trainer
+#                   would refuse fails here, before a job queues.
+#   --shrink        tools/shrink_config.py: every parallel axis above 1 becomes 2, the engine's
+#                   ranks per replica keep their ratio to TP, the model keeps its family at tiny
+#                   widths on the demo data; runs 2 steps on this node (world <= 8). Overrides
+#                   apply to CONFIG before shrinking. SHRINK_DIR holds the result [a new temp dir].
 #
 # Environment (defaults in brackets):
 #   ENTRY           module to run with `python -m`, or a path ending in .py [grpo_mega.train]
@@ -61,12 +70,26 @@ for arg in "$@"; do
     case "$arg" in
         --dry-run) MODE=dry-run ;;
         --check-config) MODE=check-config ;;
+        --shrink) MODE=shrink ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) ARGS+=("$arg") ;;
     esac
 done
 
 # ---------------------------------------------------------------- settings
+if [[ $MODE == shrink ]]; then
+    [[ -n ${CONFIG:-} ]] || die "--shrink needs CONFIG=<scale config>"
+    SHRINK_DIR=${SHRINK_DIR:-$(mktemp -d -t grpo-shrink-XXXXXX)}
+    here=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+    out=$("${PYTHON:-python}" "$here/tools/shrink_config.py" --config "$CONFIG" --out "$SHRINK_DIR" \
+          "${ARGS[@]}" | tail -n 1) || die "could not shrink $CONFIG"
+    [[ $out =~ ^WORLD=([0-9]+)\ CONFIG=(.+)$ ]] || die "tools/shrink_config.py said: $out"
+    NNODES=1 NODE_RANK=0 NPROC_PER_NODE=${BASH_REMATCH[1]} CONFIG=${BASH_REMATCH[2]}
+    unset MASTER_ADDR
+    ARGS=()
+    MODE=run
+    echo "[torchrun.sh] shrunk to $CONFIG (world $NPROC_PER_NODE)" >&2
+fi
 USER_SET_WORLD=${NNODES:+1}${NPROC_PER_NODE:+1}
 ENTRY=${ENTRY:-grpo_mega.train}
 CONFIG=${CONFIG:-}

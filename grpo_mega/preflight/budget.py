@@ -33,7 +33,8 @@ The budget is an estimate for the worst pipeline stage of one GPU, in GiB:
 * logits on the last stage: micro_batch x seq x vocab/tp in the model dtype plus three fp32
   buffers (upcast, log-softmax, gradient).
 * the rollout engine (vLLM) takes ``rollout.gpu_memory_utilization`` of the GPU: its bf16
-  weights at engine TP = ``parallel.tp`` (engine DP over the rest of the world), a fixed
+  weights at engine TP = ``rollout.tp`` (``parallel.tp`` when 0; engine replicas over the
+  rest of the world, as the trainer places them), a fixed
   2 GiB for its activations and sampler, and the rest is KV cache.
 * the peak is the larger of the rollout phase (trainer weights, grads, optimizer and
   reference stay resident next to the engine's share) and the training phase (trainer
@@ -47,7 +48,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
-from grpo_mega.config import Config, ConfigError, ModelConfig, derived_dp, load_config
+from grpo_mega.config import Config, ConfigError, ModelConfig, derived_dp, load_config, rollout_tp
 
 from grpo_mega.preflight.validate import validate
 
@@ -225,8 +226,8 @@ def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = 80.0) -> Budget:
     logits = tokens * vpad / tp * (wb + 12)
     b.trainer.append(Row("logits", logits / GiB, f"last stage, vocab {vpad}/{tp}, fp32 log-softmax + grad"))
 
-    # Rollout engine: engine TP = trainer TP, engine replicas over the rest of the world.
-    etp = tp
+    # Rollout engine: TP rollout.tp (as the trainer places it), replicas over the rest of the world.
+    etp = rollout_tp(cfg)
     b.engine_tp = etp
     share = r.gpu_memory_utilization * gpu_gib
     ew = pc.total * wb / etp / GiB

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from grpo_mega.config import Config, ConfigError, derived_dp
+from grpo_mega.config import Config, ConfigError, derived_dp, rollout_tp
 from grpo_mega.models.precision import check_fp8_here
 
 
@@ -119,11 +119,49 @@ def _check_memory_savers(m, p, check_hardware: bool) -> None:
                               "with transformer_engine installed (--model.sequence_parallel=false)")
 
 
+def _check_rollout_layout(cfg: Config, world_size: Optional[int]) -> None:
+    """The engine placement (``rollout.tp``, ``rollout.engine_mode``) against the world and the
+    model, so that a layout vLLM refuses fails here and not at engine start, after the models
+    are built. Replica k of the engine is ranks [k*etp, (k+1)*etp)."""
+    m, r, d = cfg.model, cfg.rollout, cfg.data
+    if r.tp < 0:
+        raise ConfigError(f"rollout.tp={r.tp} must be >= 0 (0: parallel.tp) (--rollout.tp)")
+    etp = rollout_tp(cfg)
+    mode = r.engine_mode
+    if mode == "inprocess" and etp > 1:
+        raise ConfigError(f"rollout.engine_mode=inprocess runs vLLM at TP 1 in one process; rollout.tp="
+                          f"{etp} needs --rollout.engine_mode=external_launcher (or --rollout.tp=1)")
+    if mode in ("external_launcher", "auto"):
+        # vLLM shards attention heads over its TP ranks; KV heads may be replicated
+        # instead when there are fewer of them than ranks.
+        kv = m.num_query_groups
+        if m.num_attention_heads % etp or (kv % etp and etp % kv):
+            raise ConfigError(f"rollout.tp={etp}: vLLM needs model.num_attention_heads="
+                              f"{m.num_attention_heads} divisible by it and model.num_query_groups={kv} "
+                              f"divisible by it (or dividing it); choose another --rollout.tp")
+    if world_size is None:
+        return
+    if mode == "inprocess" and world_size > 1:
+        raise ConfigError(f"rollout.engine_mode=inprocess inside a world of {world_size} ranks hangs "
+                          "(vLLM reuses the default process group); use --rollout.engine_mode="
+                          "external_launcher (or child, or auto)")
+    if world_size % etp:
+        raise ConfigError(f"world size {world_size} is not divisible by rollout.tp={etp} (ranks per "
+                          f"engine replica{'; 0 took parallel.tp' if not r.tp else ''}); choose a "
+                          "--rollout.tp that divides it")
+    replicas = world_size // etp
+    if d.prompts_per_step % replicas:
+        raise ConfigError(f"data.prompts_per_step={d.prompts_per_step} does not split over the "
+                          f"{replicas} rollout engine replicas (world {world_size} / rollout.tp={etp}); "
+                          "change --data.prompts_per_step or --rollout.tp")
+
+
 def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: bool = True) -> Config:
     """Raise ConfigError naming the field and its fix; call before any process group.
 
-    ``check_hardware=False`` skips what depends on this machine (FP8 support, Triton):
-    the launch scripts check a config for a cluster from a login node."""
+    ``check_hardware=False`` skips only the probes of this machine's GPU stack (FP8 support,
+    Triton): the launch scripts check a config for a cluster from a login node, and every
+    other start-up refusal still applies there."""
     m, p, r, a, d, o = cfg.model, cfg.parallel, cfg.rollout, cfg.algorithm, cfg.data, cfg.optimizer
     for (sec, name), allowed in {**CHOICES, **registry_choices()}.items():
         value = getattr(getattr(cfg, sec), name)
@@ -229,6 +267,8 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
     if d.prompts_per_step % dp:
         raise ConfigError(f"data.prompts_per_step={d.prompts_per_step} is not divisible by dp={dp} "
                           f"(--data.prompts_per_step)")
+
+    _check_rollout_layout(cfg, world_size)
 
     if m.reference_fp8 and m.fp8 == "none":
         raise ConfigError("model.reference_fp8=true needs an FP8 format in model.fp8 "

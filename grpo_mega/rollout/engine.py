@@ -13,7 +13,10 @@ engine is colocated (on CPU they are recorded no-ops).
 Layout: every rank draws the same global prompt batch;
 :meth:`RolloutEngine.generate_for_replica` takes this replica's contiguous
 slice (``data.shard_for_replica``) and every rank of the replica gets the
-replica's outputs. Three engine modes:
+replica's outputs. The trainer places replicas on blocks of ``rollout.tp``
+consecutive ranks (``rollout.layout.engine_block``), independent of its own
+TP x PP x DP, and :meth:`RolloutEngine.generate_resharded` hands each trainer
+DP replica its share of the samples. Three engine modes:
 
 ``external_launcher`` (use this under torchrun when it fits)
     Every rank of the job builds the engine inside its own process (vLLM's
@@ -41,7 +44,8 @@ replica's outputs. Three engine modes:
 
 ``mode="auto"`` picks ``inprocess`` for a single process, and inside a
 torch.distributed world ``external_launcher`` when every replica is a block of
-consecutive ranks, else ``child``.
+consecutive ranks (always so for the trainer's ``engine_block`` groups), else
+``child``.
 
 CPU (no GPU): dtype float32, eager mode, a small ``max_model_len``,
 ``VLLM_CPU_KVCACHE_SPACE`` and ``HF_HUB_OFFLINE`` are set automatically.
@@ -294,6 +298,20 @@ class RolloutEngine:
         mine = shard_for_replica(global_prompts, self.dp_rank, self.dp_size)
         offset = self.dp_rank * (len(global_prompts) // self.dp_size)
         return self.generate(mine, sampling, step=step, prompt_offset=offset)
+
+    def generate_resharded(self, global_prompts: Sequence[Any], sampling: SamplingConfig | None = None,
+                           *, step: int | None = None, to_rank: int = 0, to_size: int = 1) -> RolloutBatch:
+        """The samples of slice ``to_rank`` of ``to_size`` of the global prompt batch (a
+        trainer DP replica's share), whatever the engine layout: each engine replica samples
+        its own slice, the slices are gathered on every rank and cut anew
+        (``rollout.layout``). Collective over the world."""
+        from grpo_mega.rollout.layout import gather_global, prompt_slice
+
+        mine = self.generate_for_replica(global_prompts, sampling, step=step)
+        if _dist_world()[1] == 1:
+            return prompt_slice(mine, len(global_prompts), to_rank, to_size)
+        everything = gather_global(mine, contributes=_dist_world()[0] == self._replica_ranks[0])
+        return prompt_slice(everything, len(global_prompts), to_rank, to_size)
 
     def _generate_local(self, prompts: Sequence[Any], s: SamplingConfig, step: int,
                         offset: int) -> RolloutBatch:

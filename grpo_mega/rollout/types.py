@@ -156,6 +156,34 @@ class RolloutBatch:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def select(self, prompts: Iterable[int]) -> "RolloutBatch":
+        """The samples of the given global prompt indices, in batch order."""
+        keep = set(prompts)
+        idx = [i for i, p in enumerate(self.prompt_index) if p in keep]
+        per_sample = ("prompt_ids", "response_ids", "logprobs", "finish_reasons", "prompt_index",
+                      "texts", "stop_reasons")
+        d = self.to_dict()
+        for k in per_sample:
+            d[k] = [d[k][i] for i in idx] if d[k] else d[k]
+        return RolloutBatch.from_dict(d)
+
+    @classmethod
+    def concat(cls, batches: Sequence["RolloutBatch"]) -> "RolloutBatch":
+        """One batch of several (same group size and logprobs mode); ``seconds`` is the
+        slowest part's, as the parts run side by side."""
+        if not batches:
+            raise ValueError("concat of no rollout batches")
+        first = batches[0]
+        for b in batches:
+            if (b.group_size, b.logprobs_mode) != (first.group_size, first.logprobs_mode):
+                raise ValueError("concat of rollout batches with different group sizes or logprobs modes")
+        d = first.to_dict()
+        for k, v in d.items():
+            if isinstance(v, list):
+                d[k] = [x for b in batches for x in getattr(b, k)]
+        d["seconds"] = max(b.seconds for b in batches)
+        return cls.from_dict(d)
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "RolloutBatch":
         return cls(**d)

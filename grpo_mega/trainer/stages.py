@@ -53,7 +53,8 @@ def _generate(t: Trainer, prompts: list[Prompt], step: int,
               sampling: Optional[SamplingConfig] = None) -> RolloutBatch:
     t.engine.resume()
     try:
-        return t.engine.generate_for_replica(prompts, sampling, step=step)
+        return t.engine.generate_resharded(prompts, sampling, step=step, to_rank=t.ps.dp_rank,
+                                           to_size=t.ps.dp)
     finally:
         t.engine.release()  # the trainer's phases get the memory back
 
@@ -347,7 +348,8 @@ def evaluate(t: Trainer, step: int) -> float:
 
     k = t.cfg.data.eval_samples
     prompts = list(t.eval_set.prompts)
-    prompts = prompts[:len(prompts) - len(prompts) % t.ps.dp]
+    split = math.lcm(t.ps.dp, t.engine.dp_size)  # over the trainer's and the engines' replicas
+    prompts = prompts[:len(prompts) - len(prompts) % split]
     s = SamplingConfig(n=k, temperature=0.0 if k == 1 else t.cfg.rollout.temperature,
                        max_new_tokens=t.cfg.rollout.max_new_tokens, stop=tuple(t.cfg.rollout.stop),
                        seed=t.cfg.rollout.seed + 7919)

@@ -190,8 +190,14 @@ def build_trainer(argv=None) -> Trainer:
     quiet = not cfg.logging.verbose
     if quiet:  # vLLM reads its level when first imported, which is just below
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    from grpo_mega.config import rollout_tp
     from grpo_mega.rollout import EngineConfig, RolloutEngine, SamplingConfig
+    from grpo_mega.rollout.layout import engine_block
     r = cfg.rollout
+    # The engine's own blocks of rollout.tp consecutive ranks, not megatron's replicas:
+    # vLLM's external launcher needs consecutive ranks, megatron puts PP outermost.
+    block, engine_index, engines = engine_block(rollout_tp(cfg))
+    say(f"rollout: {engines} engine replica(s) of {rollout_tp(cfg)} consecutive rank(s)")
     engine = RolloutEngine(
         EngineConfig(model=cfg.model.hf_checkpoint, mode=r.engine_mode, max_model_len=r.max_model_len,
                      gpu_memory_utilization=r.gpu_memory_utilization, colocate=r.sleep_between_rollouts,
@@ -199,7 +205,7 @@ def build_trainer(argv=None) -> Trainer:
                      extra={"use_tqdm_on_load": False} if quiet else {}),
         SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=max(r.top_k, 0),
                        max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=r.seed),
-        replica_group=ps.mp_group if ps.world_size > 1 else None, dp_rank=ps.dp_rank, dp_size=ps.dp)
+        replica_group=block, dp_rank=engine_index, dp_size=engines)
 
     from grpo_mega.bridge import WeightBridge
     bridge = WeightBridge(model, cfg.model, ps, engines=[engine], verify=r.verify_sync,

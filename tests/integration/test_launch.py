@@ -115,7 +115,8 @@ def test_dry_run_prints_exact_multinode_command():
     assert cmd[-4:] == ["-m", "grpo_mega.train", "--parallel.tp=2", '--rollout.stop=["a b"]']
 
     # Node 0 hosts the store; one node uses a free port; a .py ENTRY runs as a script.
-    env.update(NODE_RANK="0", ENTRY=COLLECTIVE, CONFIG="launch/configs/llama3_8b.yaml", NPROC_PER_NODE="4")
+    env.update(NODE_RANK="0", ENTRY=COLLECTIVE, CONFIG="launch/configs/llama3_8b.yaml", NPROC_PER_NODE="4",
+               SKIP_CONFIG_CHECK="1")
     cmd = shlex.split(run_script([TORCHRUN_SH, "--dry-run"], env).stdout.splitlines()[-1])[2:]
     assert "is_host=1" in cmd[cmd.index("--rdzv-conf") + 1]
     assert cmd[-3:] == [COLLECTIVE, "--config", "launch/configs/llama3_8b.yaml"]
@@ -237,6 +238,39 @@ def test_check_config_cli_and_torchrun_check_config():
     assert r.returncode == 2 and "world size 48" in r.stderr and "--parallel" in r.stderr
 
 
+def _start_up_verdict(path: str, world: int, overrides: list[str]) -> str:
+    """What the trainer's start-up validation says on this machine: "ok" or the error. The
+    GPU probes are run too, so only configs they accept on a CPU are compared."""
+    try:
+        validate(load_config(str(REPO / path), overrides), world)
+        return "ok"
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("overrides", [[], ["--rollout.tp=3"], ["--rollout.engine_mode=inprocess"],
+                                       ["--data.prompts_per_step=66", "--data.mini_batch_size=132"]],
+                         ids=["as-written", "rollout-tp-3", "inprocess", "prompts-66"])
+def test_scale_config_check_config_refuses_what_start_up_refuses(overrides):
+    """Guards against launch/torchrun.sh --check-config passing a config the trainer refuses
+    at start-up (it used to validate with every start-up-only check off, so the scale
+    configs queued and then failed): on the 32B config (world 32, engine TP 8) the launcher
+    and the trainer's own validation must agree, error for error. A rollout.tp that does not
+    divide the world, an in-process engine in a world of 32, or 66 prompts over 4 engine
+    replicas of 8 ranks must fail before queueing."""
+    path = CONFIGS["qwen2.5_32b"][0]
+    want = _start_up_verdict(path, 32, overrides)
+    r = run_script([TORCHRUN_SH, "--check-config", *overrides], launch_env(CONFIG=path))
+    if want == "ok":
+        assert r.returncode == 0 and "fits" in r.stdout, r.stderr
+    else:
+        assert r.returncode == 2 and want in r.stderr, (want, r.stderr)
+    if overrides:
+        assert want != "ok"  # each of these is refused
+    else:
+        assert want == "ok", want  # the config as written starts (distributed optimizer included)
+
+
 # --------------------------------------------------------------------- k8s manifest
 
 def test_pytorchjob_manifest_structure():
@@ -280,7 +314,8 @@ def test_pytorchjob_command_yields_expected_torchrun_line():
     for role, rank in (("Master", 0), ("Worker", 2)):
         c = job["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"]["containers"][0]
         env = launch_env(**{e["name"]: e["value"] for e in c["env"]},
-                         MASTER_ADDR="grpo-mega-qwen32b-master-0", MASTER_PORT="23456", RANK=str(rank))
+                         MASTER_ADDR="grpo-mega-qwen32b-master-0", MASTER_PORT="23456", RANK=str(rank),
+                         SKIP_CONFIG_CHECK="1")
         script = c["command"][-1].replace("exec launch/torchrun.sh", "exec launch/torchrun.sh --dry-run")
         r = run_script([*c["command"][:-1], script], env)
         assert r.returncode == 0, r.stderr
