@@ -48,11 +48,15 @@ def grpo_step(t: Trainer, step: int) -> dict:
     if t.cfg.logging.record_batches:
         S.record(t, step, batch)
     metrics: dict = {"empty_step": 1.0}  # no group had a reward spread: nothing to learn from
+    with stage("release", timings):
+        S.release_engine(t)
     if len(batch):
         with stage("logprobs", timings):
             plan = S.logprobs(t, batch)
         with stage("update", timings):
             metrics = S.update(t, plan)
+    with stage("resume", timings):
+        S.resume_engine(t)
     with stage("sync", timings):
         gbps = S.sync(t)
     metrics.update(S.gather_metrics(t, metrics), **stats, sync_gbps=gbps)

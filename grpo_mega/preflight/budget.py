@@ -25,8 +25,8 @@ The budget is an estimate for the worst pipeline stage of one GPU, in GiB:
   ``optimizer.use_distributed_optimizer`` (``optim/distributed.py``; a checkpoint save
   gathers the whole state for its duration, a transient not counted here); a frozen reference copy when
   ``algorithm.kl_coef > 0`` (unless ``checkpoint.offload_reference``).
-* activations, without recompute, flash attention and no sequence parallelism, per token
-  and layer: ``4h`` replicated (two norm inputs, QKV and fc1 inputs) plus
+* activations (``activation_bytes``), with flash attention, per token and layer: ``4h``
+  replicated (two norm inputs, QKV and fc1 inputs; ``/ tp`` with ``model.sequence_parallel``) plus
   ``((heads + 2 kv_heads) * head_dim + heads * head_dim + 3 ffn) / tp`` (q/k/v, attention
   output, fc1 output, SwiGLU output); times micro_batch x seq x layers/pp, times the
   micro-batches 1F1B keeps in flight on stage 0 (min(pp, micro-batches)).
@@ -188,6 +188,25 @@ def derive_layout(cfg: Config, world: int, gpus_per_node: int = 8) -> Layout:
                   mini_batch=mini, micro_batches=max(mini // (dp * p.micro_batch_size), 1))
 
 
+def activation_bytes(m: ModelConfig, tp: int, pp: int, inflight: int) -> float:
+    """Stored activation elements per token of a micro-batch on the worst stage (times
+    the dtype's bytes and the tokens gives bytes). Per layer without recompute: ``4h``
+    outside the TP-split blocks (``/ tp`` with sequence parallelism) plus the q/k/v,
+    attention output, fc1 and SwiGLU outputs split over TP; flash attention keeps no
+    [s, s] scores, so ``selective`` (core attention recomputed) changes nothing here.
+    ``full``: each layer keeps only its input (``h``, ``/ tp`` with SP) for the micro-batches
+    in flight, plus one chunk of ``recompute_num_layers`` layers re-run whole in the backward."""
+    hd = head_dim(m)
+    sp = tp if m.sequence_parallel and tp > 1 else 1
+    per_layer = 4 * m.hidden_size / sp + (
+        (m.num_attention_heads + 2 * m.num_query_groups) * hd + m.num_attention_heads * hd
+        + 3 * m.ffn_hidden_size) / tp
+    layers = m.num_layers // pp
+    if m.recompute == "full":
+        return m.hidden_size / sp * layers * inflight + per_layer * m.recompute_num_layers
+    return per_layer * layers * inflight
+
+
 def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = 80.0) -> Budget:
     m, p, r, o = cfg.model, cfg.parallel, cfg.rollout, cfg.optimizer
     tp, pp, dp = layout.tp, layout.pp, layout.dp
@@ -213,15 +232,13 @@ def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = 80.0) -> Budget:
                          ("offloaded to CPU between uses" if offload else f"frozen copy in {m.dtype}")))
 
     hd = head_dim(m)
-    per_token_layer = 4 * m.hidden_size + (
-        (m.num_attention_heads + 2 * m.num_query_groups) * hd + m.num_attention_heads * hd
-        + 3 * m.ffn_hidden_size) / tp
     inflight = min(pp, layout.micro_batches)
     tokens = p.micro_batch_size * layout.seq_len
-    act = per_token_layer * wb * tokens * (m.num_layers // pp) * inflight
+    act = activation_bytes(m, tp, pp, inflight) * wb * tokens
     b.trainer.append(Row("activations", act / GiB,
                          f"mbs {p.micro_batch_size} x seq {layout.seq_len} x {m.num_layers // pp} "
-                         f"layers x {inflight} in flight, no recompute"))
+                         f"layers x {inflight} in flight, recompute {m.recompute}"
+                         + (", sequence parallel" if m.sequence_parallel and tp > 1 else "")))
     vpad = padded_vocab(m.vocab_size, tp, m.make_vocab_size_divisible_by)
     logits = tokens * vpad / tp * (wb + 12)
     b.trainer.append(Row("logits", logits / GiB, f"last stage, vocab {vpad}/{tp}, fp32 log-softmax + grad"))

@@ -61,6 +61,7 @@ must apply the same transforms.
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
 import os
@@ -142,6 +143,9 @@ class RolloutEngine:
         self._transport: str | None = None
         self.releases = self.resumes = 0
         self.memory_released = False
+        # The engine's last calls in order ("generate", "load", "release", "resume"): the
+        # order of the step's memory phases is visible, and tested, on CPU too.
+        self.calls: collections.deque[str] = collections.deque(maxlen=256)
         self.llm = None
         self.startup_seconds = 0.0
         # vLLM's CPU worker replaces torch.set_num_threads in its process;
@@ -281,6 +285,7 @@ class RolloutEngine:
         s = sampling or self.sampling
         step = self._step if step is None else step
         self._step = step + 1
+        self.calls.append("generate")
         batch = None
         if self.holds_engine:
             batch = self._generate_local(prompts, s, step, prompt_offset)
@@ -383,6 +388,7 @@ class RolloutEngine:
         tied to a reloaded weight are repacked inside the worker. Call
         :meth:`reset_prefix_cache` after the last bucket.
         """
+        self.calls.append("load")
         if not self.holds_engine:
             return 0.0
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
@@ -415,6 +421,7 @@ class RolloutEngine:
         colocate=True on GPU). Otherwise a recorded no-op: ``releases`` counts
         the calls, ``memory_released`` stays False."""
         self.releases += 1
+        self.calls.append("release")
         if self._sleep_unsupported("release"):
             return
         self.llm.sleep(level=1)
@@ -423,6 +430,7 @@ class RolloutEngine:
     def resume(self) -> None:
         """Take the memory back before rollouts (vLLM wake_up); see :meth:`release`."""
         self.resumes += 1
+        self.calls.append("resume")
         if self._sleep_unsupported("resume") or not self.memory_released:
             return
         self.llm.wake_up()

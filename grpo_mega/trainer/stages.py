@@ -1,15 +1,19 @@
 """The stages of one GRPO step, each a plain function of the ``Trainer``.
 
 ``train.py`` calls them in order and times each under its name (``stage``):
-rollout -> reward -> advantage -> logprobs -> update -> sync -> log, plus
+rollout -> reward -> advantage -> release -> logprobs -> update -> resume -> sync -> log, plus
 evaluate, the iterative-GRPO reference reset and checkpoint, and with DAPO dynamic sampling
 ``refill`` (more rollout and reward rounds) before advantage. Data flows down once: the rollout's token lists and the
 rewards become one ``TrainingBatch`` on the device in ``advantage``; everything
 after that works on slices of it.
 
-The rollout engine holds its memory only while it is used: every generation and
-every weight load is bracketed by ``engine.resume()`` / ``engine.release()``, so
-the update runs with the engine released.
+Memory between phases: the engine is awake from the weight sync through evaluation and
+the next step's rollouts; ``release_engine`` (vLLM sleep: weights and KV cache freed)
+runs before the log-prob and update phases and ``resume_engine`` (wake_up) before the
+sync, so the update never shares the GPU with the engine's share
+(``rollout.sleep_between_rollouts``, the setting ``preflight.budget`` counts). The frozen
+reference under ``checkpoint.offload_reference`` follows the same pattern around its
+forward in ``logprobs``.
 """
 from __future__ import annotations
 
@@ -51,12 +55,9 @@ def stage(name: str, timings: dict[str, float]) -> Iterator[None]:
 
 def _generate(t: Trainer, prompts: list[Prompt], step: int,
               sampling: Optional[SamplingConfig] = None) -> RolloutBatch:
-    t.engine.resume()
-    try:
-        return t.engine.generate_resharded(prompts, sampling, step=step, to_rank=t.ps.dp_rank,
-                                           to_size=t.ps.dp)
-    finally:
-        t.engine.release()  # the trainer's phases get the memory back
+    t.engine.resume()  # a no-op unless something released it since the last sync
+    return t.engine.generate_resharded(prompts, sampling, step=step, to_rank=t.ps.dp_rank,
+                                       to_size=t.ps.dp)
 
 
 # ------------------------------------------------------------------------- rollout
@@ -313,13 +314,22 @@ def reset_reference(t: Trainer) -> bool:
 
 # ---------------------------------------------------------------------------- sync
 
-def sync(t: Trainer) -> float:
-    """Trainer weights -> engine in place (verified when configured); returns GB/s."""
+def release_engine(t: Trainer) -> None:
+    """The training phase starts: the engine frees its weights and KV cache (vLLM sleep
+    level 1 on GPU when ``rollout.sleep_between_rollouts``; a recorded no-op on CPU)."""
+    t.engine.release()
+
+
+def resume_engine(t: Trainer) -> None:
+    """The training phase is over: the engine takes its memory back before the sync."""
     t.engine.resume()
-    try:
-        return t.bridge.sync().gbps
-    finally:
-        t.engine.release()
+
+
+def sync(t: Trainer) -> float:
+    """Trainer weights -> engine in place (verified when configured); returns GB/s. The
+    engine stays awake after it, for evaluation and the next step's rollouts."""
+    t.engine.resume()  # a no-op after resume_engine
+    return t.bridge.sync().gbps
 
 
 # ----------------------------------------------------------------------------- log

