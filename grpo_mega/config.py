@@ -285,6 +285,14 @@ class CheckpointConfig:
     """Checkpoints kept on disk."""
     offload_reference: bool = False
     """Keep the reference model in CPU memory between uses (GPU only)."""
+    resume: str = "auto"
+    """``auto`` resumes from ``dir`` when it holds a checkpoint, else starts fresh; ``must``
+    refuses to start without one (a mistyped ``dir`` is an error, not a fresh run);
+    ``never`` starts fresh even when ``dir`` holds checkpoints (its saves then replace them)."""
+    allow_unsafe_load: bool = False
+    """Load checkpoint files that hold pickled Python objects beyond tensors and plain
+    data. Unpickling them can run arbitrary code on every rank: set it only for
+    checkpoints you made yourself."""
 
 
 @dataclass

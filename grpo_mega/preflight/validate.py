@@ -27,6 +27,7 @@ CHOICES = {
     ("rollout", "engine_mode"): ("auto", "external_launcher", "child", "inprocess"),
     ("reward", "on_error"): ("stop", "zero"),
     ("algorithm", "logprob_kernel"): ("auto", "torch", "triton"),
+    ("checkpoint", "resume"): ("auto", "must", "never"),
 }
 
 
@@ -106,6 +107,21 @@ def _check_exact_kl_layout(cfg: Config) -> None:
                           f"is supported with parallel.pp=1 only, got parallel.pp={p.pp}; use "
                           "--parallel.pp=1 (any tp and dp) or a sample estimator such as "
                           "--algorithm.kl_kind=k3")
+
+
+def check_tokenizer_fits(cfg: Config, tokenizer_size: int, special_ids: dict, where: str) -> None:
+    """A tokenizer whose ids reach past the model's vocabulary would index past the
+    embedding (an error deep in the first forward, or silently a padding row), so its
+    size and special ids must fit ``model.vocab_size``."""
+    v = cfg.model.vocab_size
+    if tokenizer_size > v:
+        raise ConfigError(f"the tokenizer in {where} has {tokenizer_size} tokens but model.vocab_size={v}: "
+                          "its ids past the vocabulary have no embedding; use the model's own "
+                          "tokenizer (--model.hf_checkpoint)")
+    for name, i in special_ids.items():
+        if i is not None and not 0 <= i < v:
+            raise ConfigError(f"the tokenizer in {where} has {name} id {i}, outside model.vocab_size={v} "
+                              "(--model.hf_checkpoint)")
 
 
 def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: bool = True) -> Config:
