@@ -107,6 +107,7 @@ def _faults(rank, world, root, marker):
         d = Path(root) / name.replace(" ", "_")
         shutil.copytree(good, d)
         damage(d)
+        Path(marker).unlink(missing_ok=True)  # each variant reports only its own code run
         try:
             load_checkpoint(d, model, opt, ps, m)
             out[name] = ("loaded", "", Path(marker).exists())
@@ -116,6 +117,7 @@ def _faults(rank, world, root, marker):
             out[name] = (type(e).__name__, str(e), Path(marker).exists())
     # The opt-in does what it says: an older-format file loads with it.
     legacy = Path(root) / "legacy_rank_file"
+    Path(marker).unlink(missing_ok=True)
     load_checkpoint(legacy, model, opt, ps, m, allow_unsafe_load=True)
     out["legacy rank file, opted in"] = ("loaded", "", Path(marker).exists())
     return out
