@@ -290,9 +290,9 @@ class CheckpointConfig:
     refuses to start without one (a mistyped ``dir`` is an error, not a fresh run);
     ``never`` starts fresh even when ``dir`` holds checkpoints (its saves then replace them)."""
     allow_unsafe_load: bool = False
-    """Load checkpoint files that hold pickled Python objects beyond tensors and plain
-    data. Unpickling them can run arbitrary code on every rank: set it only for
-    checkpoints you made yourself."""
+    """Load checkpoint files (resumed ones and ``model.init_checkpoint``) that hold pickled
+    Python objects beyond tensors and plain data. Unpickling them can run arbitrary code
+    on every rank: set it only for checkpoints you made yourself."""
 
 
 @dataclass
@@ -431,7 +431,7 @@ def apply_dict(cfg: Config, data: dict, source: str) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: top level must be a mapping of sections")
     for sec_name, values in data.items():
-        if not hasattr(cfg, sec_name):
+        if not isinstance(sec_name, str) or not hasattr(cfg, sec_name):
             raise ConfigError(f"{source}: unknown section {sec_name!r}; known: "
                               f"{[f.name for f in dataclasses.fields(Config)]}")
         section = getattr(cfg, sec_name)
@@ -439,7 +439,7 @@ def apply_dict(cfg: Config, data: dict, source: str) -> Config:
             raise ConfigError(f"{source}: section {sec_name!r} must be a mapping")
         types = _section_types(type(section))
         for key, value in values.items():
-            if key not in types:
+            if not isinstance(key, str) or key not in types:
                 raise ConfigError(f"{source}: unknown field {sec_name}.{key}; known: {sorted(types)}")
             setattr(section, key, _coerce(value, types[key], f"{sec_name}.{key} (in {source})"))
     return cfg

@@ -55,7 +55,7 @@ class _IndexUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def read_index(ckpt_dir: Path, allow_unsafe: bool):
+def read_index(ckpt_dir: Path, allow_unsafe: bool, flag: str = UNSAFE_FLAG):
     """The distributed checkpoint's index (``.metadata``), unpickled with only the records
     torch writes there allowed (megatron would ``pickle.load`` it unrestricted); None when
     the directory has none (not a torch_dist checkpoint: megatron reports that)."""
@@ -71,7 +71,7 @@ def read_index(ckpt_dir: Path, allow_unsafe: bool):
                                   "step_* directory") from None
         raise CheckpointError(
             f"{index} is not a plain checkpoint index ({e}); loading it could run code from the "
-            f"file. Pass {UNSAFE_FLAG} only for checkpoints you made yourself") from None
+            f"file. Pass {flag} only for checkpoints you made yourself") from None
     except Exception as e:  # noqa: BLE001 - any other failure is a damaged file
         raise CheckpointError(f"{index} is corrupt ({type(e).__name__}: {e}); resume from another "
                               "step_* directory") from None

@@ -194,7 +194,8 @@ def build_trainer(argv=None) -> Trainer:
         if m is None:
             continue
         if cfg.model.init_checkpoint:
-            convert.load_mcore_weights(m, cfg.model.init_checkpoint, ps, cfg.model)
+            convert.load_mcore_weights(m, cfg.model.init_checkpoint, ps, cfg.model,
+                                       allow_unsafe_load=cfg.checkpoint.allow_unsafe_load)
         else:
             convert.load_hf_weights(m, cfg.model.hf_checkpoint, ps, cfg.model)
 

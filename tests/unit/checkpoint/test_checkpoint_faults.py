@@ -115,6 +115,21 @@ def _faults(rank, world, root, marker):
             out[name] = ("CheckpointError", str(e), Path(marker).exists())
         except BaseException as e:  # noqa: BLE001 - any other escape is the bug under test
             out[name] = (type(e).__name__, str(e), Path(marker).exists())
+    # Conversion and model.init_checkpoint read the same index through megatron.
+    from grpo_mega.checkpoint import convert
+    from tests import REPO
+    init = Path(root) / "code_in_init_checkpoint_index"
+    shutil.copytree(good, init)
+    (init / ".metadata").write_bytes(pickle.dumps(MarkerOnLoad(marker)))
+    for name, call in [("init checkpoint", lambda: convert.load_mcore_weights(model, init, ps, m)),
+                       ("mcore_to_hf", lambda: convert.mcore_to_hf(
+                           init, Path(root) / "hf_out", hf_config_dir=REPO / "grpo_mega/assets/demo_v1/hf"))]:
+        Path(marker).unlink(missing_ok=True)
+        try:
+            call()
+            out[f"code in index, {name}"] = ("loaded", "", Path(marker).exists())
+        except BaseException as e:  # noqa: BLE001 - any escape but CheckpointError is the bug
+            out[f"code in index, {name}"] = (type(e).__name__, str(e), Path(marker).exists())
     # The opt-in does what it says: an older-format file loads with it.
     legacy = Path(root) / "legacy_rank_file"
     Path(marker).unlink(missing_ok=True)
@@ -156,7 +171,8 @@ def test_checkpoint_fault_names_the_damaged_file(faults, fault):
 
 
 @pytest.mark.parametrize("fault", ["code in rank file", "code in common.pt", "code in index",
-                                   "code in object entry"])
+                                   "code in object entry", "code in index, init checkpoint",
+                                   "code in index, mcore_to_hf"])
 def test_unsafe_checkpoint_file_is_refused_before_it_runs_code(faults, fault):
     """Guards against unpickling checkpoint files unrestricted (torch.load with
     weights_only=False of the per-rank files, megatron's plain pickle.load of the
@@ -166,6 +182,8 @@ def test_unsafe_checkpoint_file_is_refused_before_it_runs_code(faults, fault):
     res, _ = faults
     kind, msg, marker_exists = res[fault]
     assert kind == "CheckpointError" and "--checkpoint.allow_unsafe_load" in msg, (kind, msg)
+    if "mcore_to_hf" in fault:
+        assert "--allow-unsafe-load" in msg, msg
     assert "builtins.open" in msg or "io.open" in msg, msg
     assert not marker_exists, f"{fault}: the crafted pickle ran code"
 
