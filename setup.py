@@ -42,6 +42,6 @@ setup(
         "gpu": ["transformer-engine[pytorch]>=2.3", "vllm==0.26.0", "transformers", "pyarrow",
                 "matplotlib", "tensorboard"],
         # triton runs the fused-loss kernels on CPU in its interpreter (TRITON_INTERPRET=1).
-        "test": ["pytest", "pytest-timeout", "triton>=3.2", "import-linter>=2.1"],
+        "test": ["pytest", "pytest-timeout", "triton>=3.2", "import-linter>=2.1", "hypothesis"],
     },
 )

@@ -315,6 +315,14 @@ class CheckpointConfig:
     """Checkpoints kept on disk."""
     offload_reference: bool = False
     """Keep the reference model in CPU memory between uses (GPU only)."""
+    resume: str = "auto"
+    """``auto`` resumes from ``dir`` when it holds a checkpoint, else starts fresh; ``must``
+    refuses to start without one (a mistyped ``dir`` is an error, not a fresh run);
+    ``never`` starts fresh even when ``dir`` holds checkpoints (its saves then replace them)."""
+    allow_unsafe_load: bool = False
+    """Load checkpoint files (resumed ones and ``model.init_checkpoint``) that hold pickled
+    Python objects beyond tensors and plain data. Unpickling them can run arbitrary code
+    on every rank: set it only for checkpoints you made yourself."""
 
 
 @dataclass
@@ -457,7 +465,7 @@ def apply_dict(cfg: Config, data: dict, source: str) -> Config:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: top level must be a mapping of sections")
     for sec_name, values in data.items():
-        if not hasattr(cfg, sec_name):
+        if not isinstance(sec_name, str) or not hasattr(cfg, sec_name):
             raise ConfigError(f"{source}: unknown section {sec_name!r}; known: "
                               f"{[f.name for f in dataclasses.fields(Config)]}")
         section = getattr(cfg, sec_name)
@@ -465,7 +473,7 @@ def apply_dict(cfg: Config, data: dict, source: str) -> Config:
             raise ConfigError(f"{source}: section {sec_name!r} must be a mapping")
         types = _section_types(type(section))
         for key, value in values.items():
-            if key not in types:
+            if not isinstance(key, str) or key not in types:
                 raise ConfigError(f"{source}: unknown field {sec_name}.{key}; known: {sorted(types)}")
             setattr(section, key, _coerce(value, types[key], f"{sec_name}.{key} (in {source})"))
     return cfg

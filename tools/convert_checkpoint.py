@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "not written by hf-to-mcore)")
     b.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file (GB)")
     b.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    b.add_argument("--allow-unsafe-load", action="store_true",
+                   help="unpickle a checkpoint index that names more than torch's checkpoint records; "
+                        "this can run code from the files: only for checkpoints you made yourself")
     return p
 
 
@@ -47,7 +50,8 @@ def main(argv=None) -> int:
             convert.hf_to_mcore(args.hf_dir, args.out, overwrite=args.overwrite)
         else:
             convert.mcore_to_hf(args.input, args.out, hf_config_dir=args.hf_config,
-                                overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 2**30))
+                                overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 2**30),
+                                allow_unsafe_load=args.allow_unsafe_load)
     except (CheckpointError, MappingError) as e:  # MappingError: MissingTensorError, ShapeMismatchError
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

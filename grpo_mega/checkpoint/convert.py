@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from grpo_mega.checkpoint.hf_files import (HF_SIDE_FILES, HFReader, _ShardWriter, check_hf_checkpoint,
                                            read_hf_config)
-from grpo_mega.checkpoint.io import (CheckpointError, Progress, _check_out, _ensure_world,
+from grpo_mega.checkpoint.io import (CheckpointError, Progress, _check_out, _ensure_world, read_index,
                                      _publish_collectively, _save_strategy, _say, _shared_tmp_dir,
                                      release_checkpoint_writer)
 from grpo_mega.config import ModelConfig
@@ -197,10 +197,16 @@ def _require_dist_checkpoint(ckpt_dir: Path) -> None:
                               "(no metadata.json)")
 
 
-def _load_tensors_metadata(ckpt_dir: Path) -> dict:
+UNSAFE_CONVERT_FLAG = ("--checkpoint.allow_unsafe_load=true (for model.init_checkpoint) or "
+                       "--allow-unsafe-load (tools/convert_checkpoint.py)")
+
+
+def _load_tensors_metadata(ckpt_dir: Path, allow_unsafe_load: bool = False) -> dict:
     from megatron.core import dist_checkpointing
 
     _require_dist_checkpoint(ckpt_dir)
+    # megatron unpickles the index unrestricted; only tensors are loaded from the shards.
+    read_index(ckpt_dir, allow_unsafe_load, flag=UNSAFE_CONVERT_FLAG)
     return dict(dist_checkpointing.load_tensors_metadata(str(ckpt_dir)))
 
 
@@ -241,13 +247,15 @@ def _load_group(group: list[str], meta: dict, ckpt_dir: Path, cfg: ModelConfig) 
 
 def mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                 hf_config_dir: str | os.PathLike | None = None, overwrite: bool = False,
-                max_shard_bytes: int = 5 * 2**30, progress: Progress = print) -> Path:
+                max_shard_bytes: int = 5 * 2**30, progress: Progress = print,
+                allow_unsafe_load: bool = False) -> Path:
     """Convert a megatron-core torch_dist checkpoint back to an HF checkpoint.
 
     The model config comes from the checkpoint's ``grpo_mega.json`` (written by
     hf_to_mcore) or from ``hf_config_dir``'s config.json; config.json and tokenizer
     files are copied from the checkpoint's ``hf/`` side directory or ``hf_config_dir``.
-    Collective under torchrun (every rank reads; rank 0 writes).
+    Collective under torchrun (every rank reads; rank 0 writes). ``allow_unsafe_load``:
+    unpickle an index that names more than torch's checkpoint records (can run code).
     """
     ckpt, out = Path(ckpt_dir), Path(out_dir)
     if not ckpt.is_dir():
@@ -263,7 +271,7 @@ def mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     _check_out(out, overwrite)
     _require_dist_checkpoint(ckpt)
     _ensure_world()
-    meta = _load_tensors_metadata(ckpt)
+    meta = _load_tensors_metadata(ckpt, allow_unsafe_load)
     _validate_checkpoint(meta, cfg, ckpt)
     rank = dist.get_rank()
     tmp = _shared_tmp_dir(out)
@@ -304,14 +312,15 @@ def _write_hf_side_files(tmp: Path, src: Path, cfg: ModelConfig) -> None:
 
 # =============================================================================== trainer loading
 
-def load_mcore_weights(model, ckpt_dir: str | os.PathLike, ps, model_cfg: Optional[ModelConfig] = None
-                       ) -> None:
+def load_mcore_weights(model, ckpt_dir: str | os.PathLike, ps, model_cfg: Optional[ModelConfig] = None,
+                       allow_unsafe_load: bool = False) -> None:
     """Load a torch_dist checkpoint into this rank's built model (any TP/PP layout).
 
     Collective over all ranks. Goes through ``model.sharded_state_dict()``, so megatron
     reshards (TP slices, fc1 halves, layer offsets of this stage, vocabulary padding,
     the tied output layer on the last stage). Global shapes are checked against
     ``model_cfg`` (default: the checkpoint's own grpo_mega.json, if any) first.
+    ``allow_unsafe_load``: as in :func:`mcore_to_hf`.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -319,7 +328,7 @@ def load_mcore_weights(model, ckpt_dir: str | os.PathLike, ps, model_cfg: Option
     from grpo_mega.models import unwrap_model
 
     ckpt = Path(ckpt_dir)
-    meta = _load_tensors_metadata(ckpt)
+    meta = _load_tensors_metadata(ckpt, allow_unsafe_load)
     if model_cfg is None and (ckpt / META_FILE).is_file():
         model_cfg = read_model_config(ckpt)
     if model_cfg is not None:

@@ -4,12 +4,17 @@ atomic output (write into a temporary directory next to the target, then rename)
 crash or a failed check never leaves a half-written checkpoint under the final name."""
 from __future__ import annotations
 
+import importlib
+import io
 import os
+import pickle
+import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 
 
@@ -19,6 +24,143 @@ class CheckpointError(RuntimeError):
 
 
 Progress = Optional[Callable[[str], None]]
+
+UNSAFE_FLAG = "--checkpoint.allow_unsafe_load=true"
+
+# What torch's distributed-checkpoint index (``.metadata``, a plain pickle) may name:
+# its own dataclasses and enums, dtypes, torch.Size and the layout lookup. A class
+# there only rebuilds a record; anything else (os.system, builtins.exec, ...) is how a
+# crafted pickle runs code, so it is refused before megatron unpickles the file.
+_INDEX_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                  "torch.distributed.checkpoint.filesystem")
+
+
+def _index_global_ok(module: str, name: str) -> bool:
+    if module == "torch.serialization" and name == "_get_layout":
+        return True
+    if module == "collections" and name == "OrderedDict":
+        return True
+    if module == "torch":
+        obj = getattr(torch, name, None)
+        return obj is torch.Size or isinstance(obj, torch.dtype)
+    if module in _INDEX_MODULES:
+        return isinstance(getattr(importlib.import_module(module), name, None), type)
+    return False
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if not _index_global_ok(module, name):
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
+        return super().find_class(module, name)
+
+
+def read_index(ckpt_dir: Path, allow_unsafe: bool, flag: str = UNSAFE_FLAG):
+    """The distributed checkpoint's index (``.metadata``), unpickled with only the records
+    torch writes there allowed (megatron would ``pickle.load`` it unrestricted); None when
+    the directory has none (not a torch_dist checkpoint: megatron reports that)."""
+    index = Path(ckpt_dir) / ".metadata"
+    if not index.is_file():
+        return None
+    unpickler = pickle.Unpickler if allow_unsafe else _IndexUnpickler
+    try:
+        return unpickler(io.BytesIO(index.read_bytes())).load()
+    except pickle.UnpicklingError as e:
+        if "is not allowed" not in str(e):
+            raise CheckpointError(f"{index} is corrupt or truncated ({e}); resume from another "
+                                  "step_* directory") from None
+        raise CheckpointError(
+            f"{index} is not a plain checkpoint index ({e}); loading it could run code from the "
+            f"file. Pass {flag} only for checkpoints you made yourself") from None
+    except Exception as e:  # noqa: BLE001 - any other failure is a damaged file
+        raise CheckpointError(f"{index} is corrupt ({type(e).__name__}: {e}); resume from another "
+                              "step_* directory") from None
+
+
+def check_shard_files(ckpt_dir: Path, index) -> None:
+    """Every shard file the index names exists and is long enough for its entries."""
+    need: dict[str, int] = {}
+    for info in getattr(index, "storage_data", {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        f = Path(ckpt_dir) / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint shard {f} is missing (the index {Path(ckpt_dir) / '.metadata'} "
+                                  "names it); the checkpoint is incomplete: resume from another step_* directory")
+        if f.stat().st_size < size:
+            raise CheckpointError(f"checkpoint shard {f} is truncated: {f.stat().st_size} bytes, the index "
+                                  f"needs {size}; resume from another step_* directory")
+
+
+def _entries(ckpt_dir: Path, index, bytes_only: bool = False):
+    """(index key, file, the entry's bytes) for each entry of the shard files."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    kinds = getattr(index, "state_dict_metadata", {})
+    for idx, info in getattr(index, "storage_data", {}).items():
+        if info.transform_descriptors or (bytes_only and not isinstance(kinds.get(idx.fqn), BytesStorageMetadata)):
+            continue  # a transformed (compressed) entry is not a torch.save stream
+        f = Path(ckpt_dir) / info.relative_path
+        with open(f, "rb") as fh:
+            fh.seek(info.offset)
+            yield idx, f, fh.read(info.length)
+
+
+def _blocked_global(e: BaseException) -> Optional[str]:
+    """The global a ``weights_only`` load refused, or None when it failed otherwise."""
+    m = re.search(r"unsupported (?:global: )?GLOBAL ([\w.]+)", str(e), re.IGNORECASE)
+    return m.group(1) if m else None
+
+
+def check_object_entries(ckpt_dir: Path, index) -> None:
+    """torch's loader unpickles the objects in a checkpoint (megatron's ShardedObjects,
+    e.g. ``_extra_state``) with ``weights_only=False``; decode each restricted first."""
+    for idx, f, chunk in _entries(ckpt_dir, index, bytes_only=True):
+        try:
+            torch.load(io.BytesIO(chunk), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - reported with the file
+            name = _blocked_global(e)
+            if name is None:
+                raise CheckpointError(f"checkpoint shard {f} is corrupt: entry {idx.fqn!r} does not decode "
+                                      f"({type(e).__name__}); resume from another step_* directory") from None
+            raise CheckpointError(
+                f"checkpoint shard {f}: entry {idx.fqn!r} names {name}; unpickling it could run code "
+                f"from the file. Pass {UNSAFE_FLAG} only for checkpoints you made yourself") from None
+
+
+def find_corrupt_shard(ckpt_dir: Path, index) -> Optional[str]:
+    """After a failed load: decode every entry of every shard file on its own and name
+    the first that fails (the sharded loader's error does not say which file)."""
+    for idx, f, chunk in _entries(ckpt_dir, index):
+        try:
+            torch.load(io.BytesIO(chunk), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - reported with the file
+            return (f"checkpoint shard {f} is corrupt: entry {idx.fqn!r} does not decode "
+                    f"({type(e).__name__}); resume from another step_* directory")
+    return None
+
+
+def load_plain(file: Path, allow_unsafe: bool) -> Any:
+    """``torch.load`` of a small per-rank file: tensors and plain containers only
+    (``weights_only=True``) unless the user opted in to unpickling arbitrary objects."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=not allow_unsafe)
+    except pickle.UnpicklingError as e:
+        # torch reports a disallowed global as "Unsupported global: GLOBAL mod.name"; any
+        # other unpickling failure is a damaged file.
+        name = _blocked_global(e)
+        if name is None:
+            raise CheckpointError(f"{file} is corrupt or truncated (UnpicklingError); "
+                                  "resume from another step_* directory") from None
+        e = f"it names {name}"
+        raise CheckpointError(
+            f"{file} holds Python objects beyond tensors and plain data ({e}); unpickling them "
+            f"could run code from the file. Re-save it, or pass {UNSAFE_FLAG} only for a "
+            "checkpoint you made yourself") from None
+    except (OSError, RuntimeError, EOFError) as e:
+        raise CheckpointError(f"{file} is corrupt or truncated ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); "
+                              "resume from an earlier step_* directory") from None
 
 
 def _ensure_world() -> None:

@@ -30,7 +30,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from grpo_mega.checkpoint.io import CheckpointError
+from grpo_mega.checkpoint.io import (CheckpointError, check_object_entries, check_shard_files,
+                                     find_corrupt_shard, load_plain, read_index)
 from grpo_mega.distributed.state import ParallelState
 from grpo_mega.models import sharded_state_dict
 
@@ -96,6 +97,42 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
     return path
 
 
+RESUME_MODES = ("auto", "must", "never")
+
+
+def resume_checkpoint(root: str | os.PathLike, mode: str) -> Optional[Path]:
+    """The checkpoint a run resumes from under ``checkpoint.resume=mode``: ``auto`` the
+    latest one or None, ``must`` the latest one or an error naming ``root``, ``never`` None."""
+    if mode not in RESUME_MODES:
+        raise CheckpointError(f"checkpoint.resume={mode!r} is not one of {RESUME_MODES} (--checkpoint.resume)")
+    if mode == "never":
+        return None
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} is a file, not a directory (--checkpoint.dir)")
+    found = latest_checkpoint(root)
+    if found is None and mode == "must":
+        what = "has no 'latest' pointer" if root.is_dir() else "does not exist"
+        raise CheckpointError(f"checkpoint.resume=must, but the checkpoint directory {root.resolve()} "
+                              f"{what}; fix --checkpoint.dir or use --checkpoint.resume=auto")
+    return found
+
+
+def _rank_state(path: Path, rank: int, allow_unsafe: bool) -> tuple[dict, dict]:
+    """(this rank's saved extras or {}, any rank's); every rank saves the same Adam step,
+    so a resume at a larger world reads it from rank 0's file."""
+    mine = path / f"rank_{rank:05d}.pt"
+    extra = load_plain(mine, allow_unsafe) if mine.exists() else {}
+    if extra:
+        return extra, extra
+    first = path / "rank_00000.pt"
+    if not first.exists():
+        names = sorted({first.name, mine.name})
+        raise CheckpointError(f"checkpoint {path} has no per-rank state file ({' or '.join(names)}); "
+                              "it is incomplete: resume from another step_* directory")
+    return extra, load_plain(first, allow_unsafe)
+
+
 def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: ParallelState,
                     common: dict, keep_last: int = 2, reference=None) -> Path:
     """Collective. ``common`` (JSON-able: data position, config, ...) is stored by rank 0.
@@ -142,15 +179,20 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: Pa
 
 
 def load_checkpoint(path: str | os.PathLike, model, optimizer, ps: ParallelState,
-                    model_cfg=None, reference=None) -> dict:
+                    model_cfg=None, reference=None, allow_unsafe_load: bool = False) -> dict:
     """Load into the built model (any layout) and optimizer; returns the saved common dict.
     ``reference``: the built reference model; loaded from the checkpoint when it holds one
-    (``reference_stored``), else left as built (the initial weights)."""
+    (``reference_stored``), else left as built (the initial weights).
+    ``allow_unsafe_load``: unpickle files that hold more than tensors and plain data
+    (``checkpoint.allow_unsafe_load``); refused by default, since that can run code."""
     path = Path(path)
     meta_file = path / "grpo_meta.json"
     if not meta_file.exists():
         raise CheckpointError(f"{path} is not a complete grpo-mega checkpoint (no grpo_meta.json)")
-    meta = json.loads(meta_file.read_text())
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{meta_file} is corrupt ({e}); resume from another step_* directory") from None
     if model_cfg is not None and "model" in meta:
         saved = meta["model"]
         diff = {f: (saved.get(f), getattr(model_cfg, f)) for f in SHAPE_FIELDS
@@ -163,11 +205,12 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, ps: ParallelState
     # A DP-sharded optimizer takes its slices of the whole state (and, in fp32, its
     # master from the loaded weights) when this block ends.
     with optimizer.full_state(write_back=True) if optimizer is not None else nullcontext():
-        _load_into(path, model, optimizer, ps, reference, meta)
+        _load_into(path, model, optimizer, ps, reference, meta, allow_unsafe_load)
     return meta
 
 
-def _load_into(path: Path, model, optimizer, ps: ParallelState, reference, meta: dict) -> None:
+def _load_into(path: Path, model, optimizer, ps: ParallelState, reference, meta: dict,
+               allow_unsafe_load: bool) -> None:
     from megatron.core import dist_checkpointing
 
     model_sd = sharded_state_dict(model, ps)
@@ -177,10 +220,22 @@ def _load_into(path: Path, model, optimizer, ps: ParallelState, reference, meta:
     load_reference = reference is not None and bool(meta.get("reference_stored"))
     if load_reference:
         sharded["reference"] = _reference_sharded(reference, ps)
+    # Every file megatron and torch would unpickle is checked first (code in a crafted
+    # pickle runs on load), and the shard files against the index, so a damaged
+    # checkpoint fails fast with the file named.
+    index = read_index(path, allow_unsafe_load)
+    check_shard_files(path, index)
+    if not allow_unsafe_load:
+        check_object_entries(path, index)
+    if (path / "common.pt").is_file():
+        load_plain(path / "common.pt", allow_unsafe_load)
+    extra, any_rank = _rank_state(path, ps.rank, allow_unsafe_load) if optimizer is not None else ({}, {})
+    from torch.distributed.checkpoint.api import CheckpointException
     try:
         loaded = dist_checkpointing.load(sharded, str(path))
-    except Exception as e:  # noqa: BLE001 - re-raised with the path and the fix
-        raise CheckpointError(f"could not load checkpoint {path}: {e}") from e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - the latter is a BaseException
+        culprit = find_corrupt_shard(path, index) if index is not None else None
+        raise CheckpointError(culprit or f"could not load checkpoint {path}: {e}") from e
     model.load_state_dict(loaded["model"], strict=False)
     if load_reference:
         reference.load_state_dict(loaded["reference"], strict=False)
@@ -191,9 +246,6 @@ def _load_into(path: Path, model, optimizer, ps: ParallelState, reference, meta:
             if isinstance(data, torch.Tensor):
                 by_key[path_] = data
         by_ptr = {p.data_ptr(): p for p in optimizer.params}
-        rank_file = path / f"rank_{ps.rank:05d}.pt"
-        extra = torch.load(rank_file, weights_only=False) if rank_file.exists() else {}
-        any_rank = extra or torch.load(next(path.glob("rank_*.pt")), weights_only=False)
         for name, tensor in loaded["optimizer"].items():
             moment, key = name.split(".", 1)
             p = by_ptr.get(by_key[key].data_ptr()) if key in by_key else None

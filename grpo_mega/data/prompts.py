@@ -305,6 +305,10 @@ class PromptDataset:
                                 "set data prompt_field (data.prompt_key) or data.messages_key "
                                 "to the right name")
             raw = _field(row, prompt_field, where, "prompt")
+            if isinstance(raw, str) and not raw.strip():
+                # A template would wrap it into a non-empty request that asks nothing.
+                raise DataError(f"{where}: field {prompt_field!r} is an empty prompt; remove the row "
+                                "or fill it in")
             text = render_prompt(raw, chat_template, tokenizer, system_prompt, where)
         reference = None
         if reference_field is not None:
@@ -317,6 +321,8 @@ class PromptDataset:
         else:
             meta = {k: _field(row, k, where, "metadata") for k in metadata_fields}
         ids = tuple(tokenizer.encode(text, add_bos=add_bos))
+        if not ids:  # the engine refuses an empty request mid-run, on some rank
+            raise DataError(f"{where}: the prompt {text!r} encodes to no tokens; remove the row or fill it in")
         return Prompt(uid, text, ids, reference, meta)
 
     def _check_not_empty(self) -> None:

@@ -27,6 +27,7 @@ CHOICES = {
     ("rollout", "engine_mode"): ("auto", "external_launcher", "child", "inprocess"),
     ("reward", "on_error"): ("stop", "zero"),
     ("algorithm", "logprob_kernel"): ("auto", "torch", "triton"),
+    ("checkpoint", "resume"): ("auto", "must", "never"),
 }
 
 
@@ -154,6 +155,21 @@ def _check_rollout_layout(cfg: Config, world_size: Optional[int]) -> None:
         raise ConfigError(f"data.prompts_per_step={d.prompts_per_step} does not split over the "
                           f"{replicas} rollout engine replicas (world {world_size} / rollout.tp={etp}); "
                           "change --data.prompts_per_step or --rollout.tp")
+
+
+def check_tokenizer_fits(cfg: Config, tokenizer_size: int, special_ids: dict, where: str) -> None:
+    """A tokenizer whose ids reach past the model's vocabulary would index past the
+    embedding (an error deep in the first forward, or silently a padding row), so its
+    size and special ids must fit ``model.vocab_size``."""
+    v = cfg.model.vocab_size
+    if tokenizer_size > v:
+        raise ConfigError(f"the tokenizer in {where} has {tokenizer_size} tokens but model.vocab_size={v}: "
+                          "its ids past the vocabulary have no embedding; use the model's own "
+                          "tokenizer (--model.hf_checkpoint)")
+    for name, i in special_ids.items():
+        if i is not None and not 0 <= i < v:
+            raise ConfigError(f"the tokenizer in {where} has {name} id {i}, outside model.vocab_size={v} "
+                              "(--model.hf_checkpoint)")
 
 
 def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: bool = True) -> Config:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega.config import Config, ConfigError, cli_config
-from grpo_mega.preflight.validate import reward_specs, validate
+from grpo_mega.preflight.validate import check_tokenizer_fits, reward_specs, validate
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel
@@ -123,27 +123,41 @@ def _model_shape_from_hf(cfg: Config) -> None:
         setattr(cfg.model, f, getattr(hf, f))
 
 
-def build_trainer(argv=None) -> Trainer:
-    cfg = cli_config(argv)
+@dataclass
+class Preflight:
+    """What ``preflight`` checked and loaded, before any process group or engine exists."""
+    tokenizer: SentencePieceTokenizer | HFTokenizer
+    dataset: PromptDataset
+    eval_set: PromptDataset
+    ckpt_dir: Path
+    resume_from: Optional[Path]
+    """The checkpoint to resume from (``checkpoint.resume``), or None to start fresh."""
+
+
+def preflight(cfg: Config, world: int) -> Preflight:
+    """Everything checkable without ranks: config and layout, paths, the tokenizer against
+    the model's vocabulary, every prompt of both data files, and the checkpoint to resume.
+    Runs on every rank before any process group, model or engine, so a mistake costs
+    seconds and names its flag instead of surfacing mid-run on some rank."""
     if not cfg.model.hf_checkpoint:
         raise ConfigError("model.hf_checkpoint is required: the rollout engine loads it "
                           "(--model.hf_checkpoint=DIR)")
     _model_shape_from_hf(cfg)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     validate(cfg, world)
     for p, flag in ((cfg.data.train_path, "data.train_path"), (cfg.data.eval_path, "data.eval_path")):
         if not p or not Path(p).exists():
             raise ConfigError(f"{flag}={p!r} does not exist (--{flag})")
-
-    from grpo_mega.distributed.state import init_parallel
-    ps = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.parallel.seed,
-                       timeout_minutes=cfg.parallel.timeout_minutes)
-    say = (lambda m: print(f"[grpo] {m}", flush=True)) if ps.rank == 0 else (lambda m: None)
-    say(f"world {ps.world_size}: tp {ps.tp} x pp {ps.pp} x dp {ps.dp} on {ps.device}")
+    init = cfg.model.init_checkpoint
+    if init and not (Path(init) / "metadata.json").is_file():
+        raise ConfigError(f"model.init_checkpoint={init!r} is not a megatron-core checkpoint directory "
+                          "(no metadata.json); convert one with tools/convert_checkpoint.py hf-to-mcore "
+                          "(--model.init_checkpoint)")
 
     from grpo_mega.data import PromptDataset
     from grpo_mega.data.tokenizer import load_tokenizer
     tok = load_tokenizer(cfg.model.hf_checkpoint)
+    check_tokenizer_fits(cfg, tok.vocab_size, {"eos": tok.eos_id, "pad": tok.pad_id, "bos": tok.bos_id},
+                         where=cfg.model.hf_checkpoint)
     d = cfg.data
     ds_kw = dict(prompt_field=d.prompt_key, messages_field=d.messages_key,
                  reference_field=d.answer_key,
@@ -151,6 +165,23 @@ def build_trainer(argv=None) -> Trainer:
                  chat_template=d.chat_template, max_prompt_tokens=d.max_prompt_tokens)
     dataset = PromptDataset(d.train_path, tok, seed=d.seed, **ds_kw)
     eval_set = PromptDataset(d.eval_path, tok, shuffle=False, **ds_kw)
+
+    from grpo_mega.checkpoint.trainer_state import resume_checkpoint
+    ckpt_dir = Path(cfg.checkpoint.dir or Path(cfg.logging.run_dir) / "checkpoints")
+    return Preflight(tok, dataset, eval_set, ckpt_dir, resume_checkpoint(ckpt_dir, cfg.checkpoint.resume))
+
+
+def build_trainer(argv=None) -> Trainer:
+    cfg = cli_config(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pre = preflight(cfg, world)
+    tok, dataset, eval_set, ckpt_dir = pre.tokenizer, pre.dataset, pre.eval_set, pre.ckpt_dir
+
+    from grpo_mega.distributed.state import init_parallel
+    ps = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.parallel.seed,
+                       timeout_minutes=cfg.parallel.timeout_minutes)
+    say = (lambda m: print(f"[grpo] {m}", flush=True)) if ps.rank == 0 else (lambda m: None)
+    say(f"world {ps.world_size}: tp {ps.tp} x pp {ps.pp} x dp {ps.dp} on {ps.device}")
     say(f"data: {len(dataset)} train prompts ({dataset.num_skipped_too_long} skipped as too long), "
         f"{len(eval_set)} eval prompts")
 
@@ -163,7 +194,8 @@ def build_trainer(argv=None) -> Trainer:
         if m is None:
             continue
         if cfg.model.init_checkpoint:
-            convert.load_mcore_weights(m, cfg.model.init_checkpoint, ps, cfg.model)
+            convert.load_mcore_weights(m, cfg.model.init_checkpoint, ps, cfg.model,
+                                       allow_unsafe_load=cfg.checkpoint.allow_unsafe_load)
         else:
             convert.load_hf_weights(m, cfg.model.hf_checkpoint, ps, cfg.model)
 
@@ -176,13 +208,13 @@ def build_trainer(argv=None) -> Trainer:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer.opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
 
-    ckpt_dir = Path(cfg.checkpoint.dir or Path(cfg.logging.run_dir) / "checkpoints")
-    from grpo_mega.checkpoint import latest_checkpoint, load_checkpoint
-    latest = latest_checkpoint(ckpt_dir)
+    from grpo_mega.checkpoint import load_checkpoint
+    latest = pre.resume_from
     meta = None
     if latest is not None:
         say(f"resuming from {latest}")
-        meta = load_checkpoint(latest, model, optimizer, ps, cfg.model, reference=ref)
+        meta = load_checkpoint(latest, model, optimizer, ps, cfg.model, reference=ref,
+                               allow_unsafe_load=cfg.checkpoint.allow_unsafe_load)
         dataset.load_state_dict(meta["data"])
         scheduler.load_state_dict(meta["scheduler"])
 
