@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from grpo_mega import faults
 from grpo_mega.trainer import stages as S
 from grpo_mega.trainer.stages import stage
 from grpo_mega.trainer.trainer import Trainer, build_trainer
@@ -35,6 +36,8 @@ from grpo_mega.trainer.trainer import Trainer, build_trainer
 def grpo_step(t: Trainer, step: int) -> dict:
     timings: dict[str, float] = {}
     start = time.perf_counter()
+    faults.set_step(step)
+    faults.fault_point("step")
     with stage("rollout", timings):
         prompts, rollout = S.rollout(t, step)
     with stage("reward", timings):
@@ -81,7 +84,10 @@ def run(t: Trainer) -> dict:
             break
         t.step += 1
         m = grpo_step(t, t.step)
-        bad_steps = bad_steps + 1 if m.get("skipped") or not math.isfinite(m.get("loss", 0.0)) else 0
+        # Only a non-finite gradient or loss counts; a step whose groups were all uniform
+        # (nothing to learn from) is skipped too, but is no sign of divergence.
+        bad = not (math.isfinite(m.get("grad_norm", 0.0)) and math.isfinite(m.get("loss", 0.0)))
+        bad_steps = bad_steps + 1 if bad else 0
         if bad_steps:
             t.say(f"step {t.step}: non-finite loss or gradient; update skipped ({bad_steps} in a row)")
         if bad_steps >= 3:

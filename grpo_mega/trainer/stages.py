@@ -26,6 +26,8 @@ import torch.distributed as dist
 from grpo_mega import algorithms as A
 from grpo_mega import models
 from grpo_mega.algorithms.vocab_parallel_triton import use_fused
+from grpo_mega.distributed.errors import run_on_src
+from grpo_mega.faults import fault_point
 from grpo_mega.models.precision import seq_multiple
 from grpo_mega.trainer.batch import (TrainingBatch, compute_logprobs, metrics_to_floats,
                                      update_policy)
@@ -60,6 +62,7 @@ def _generate(t: Trainer, prompts: list[Prompt], step: int,
 def rollout(t: Trainer, step: int) -> tuple[list[Prompt], RolloutBatch]:
     """G samples per prompt of this DP rank's share, with the sampled tokens' log-probs."""
     prompts = t.dataset.next_batch(t.cfg.data.prompts_per_step)
+    fault_point("rollout.generate")
     return prompts, _generate(t, prompts, step)
 
 
@@ -71,20 +74,20 @@ def _score(t: Trainer, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list
     With ``algorithm.advantage=process`` each reward is a ``StepScores``, else a float."""
     from grpo_mega.rewards import RewardSample
 
-    scores, failures = None, 0
-    if t.scorer is not None:
+    def score() -> tuple[list, int]:
+        fault_point("reward.score")
         samples = []
         for i in range(len(batch)):
             p = prompts[batch.prompt_index[i]]
             meta = {"response_length": len(batch.response_ids[i]), "finish_reason": batch.finish_reasons[i]}
             samples.append(RewardSample(p.text, batch.texts[i], p.reference, {**p.metadata, **meta}))
         result = t.scorer.score(samples)
-        scores, failures = _reward_values(t, result), len(result.failures)
-    if t.ps.world_size > 1 and t.ps.tp * t.ps.pp > 1:
-        box = [(scores, failures)]
-        dist.broadcast_object_list(box, src=t.leader_rank, group=t.ps.mp_group)
-        scores, failures = box[0]
-    return scores, failures
+        return _reward_values(t, result), len(result.failures)
+
+    # A failure on the leader reaches the replica's other ranks as the same error, at
+    # once, instead of leaving them in the broadcast until the collective timeout.
+    shared = t.ps.world_size > 1 and t.ps.tp * t.ps.pp > 1
+    return run_on_src(score, t.leader_rank, t.ps.mp_group if shared else None, "reward scoring")
 
 
 def _reward_values(t: Trainer, result) -> list:
@@ -240,7 +243,8 @@ def update(t: Trainer, plan: UpdatePlan) -> dict[str, float]:
                                         max_len=t.cfg.rollout.max_new_tokens,
                                         reuse_current_as_old=not plan.off_policy,
                                         reference=t.ref if exact else None, **_kernel_kw(t))
-                t.scheduler.step()
+                if not metrics["skipped"]:  # a step skipped for a non-finite gradient norm
+                    t.scheduler.step()      # must not move the learning-rate schedule either
     return metrics_to_floats(metrics)
 
 
