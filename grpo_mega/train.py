@@ -29,6 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from grpo_mega import faults
 from grpo_mega.trainer import stages as S
 from grpo_mega.trainer.stages import stage
 from grpo_mega.trainer.trainer import Trainer, build_trainer
@@ -37,6 +38,8 @@ from grpo_mega.trainer.trainer import Trainer, build_trainer
 def grpo_step(t: Trainer, step: int) -> dict:
     timings: dict[str, float] = {}
     start = time.perf_counter()
+    faults.set_step(step)
+    faults.fault_point("step")
     with stage("rollout", timings):
         prompts, rollout = S.rollout(t, step)
     with stage("reward", timings):

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from grpo_mega.bridge.export import DEFAULT_BUCKET_BYTES, export_buckets, nbytes
 from grpo_mega.bridge.verify import make_probe, verify_engine
 from grpo_mega.config import ModelConfig
+from grpo_mega.faults import fault_point
 from grpo_mega.models import hf as mapping
 
 __all__ = ["WeightBridge", "SyncStats", "WeightSyncError"]
@@ -124,6 +125,7 @@ class WeightBridge:
             t = time.perf_counter()
             for engine in engines:
                 engine.update_weights(bucket)
+            fault_point("bridge.sync", k=stats.buckets)  # the engine now holds mixed weights
             stats.engine_seconds += time.perf_counter() - t
             if verify and engines:
                 for name, tensor in bucket:

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from grpo_mega.checkpoint.io import (CheckpointError, check_object_entries, check_shard_files,
                                      find_corrupt_shard, load_plain, read_index)
 from grpo_mega.distributed.state import ParallelState
+from grpo_mega.faults import fault_point
 from grpo_mega.models import sharded_state_dict
 
 SHAPE_FIELDS = ("family", "vocab_size", "hidden_size", "num_layers", "num_attention_heads",
@@ -157,6 +158,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: Pa
         if reference is not None:
             sharded["reference"] = _reference_sharded(reference, ps)
         dist_checkpointing.save(sharded, str(tmp))
+        fault_point("checkpoint.save")  # shards written, rank files and metadata not yet
     torch.save({"rng_cpu": torch.get_rng_state(), "layout": (ps.tp, ps.pp, ps.dp),
                 "adam_step": optimizer.adam_step},
                tmp / f"rank_{ps.rank:05d}.pt")

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega.config import OptimizerConfig
+from grpo_mega.faults import fault_point
 from grpo_mega.distributed.state import ParallelState
 
 
@@ -126,6 +127,8 @@ class ParallelAdamW:
         Returns {'grad_norm', 'clip_coef', 'skipped'}."""
         if reduce:
             self.reduce_grads()
+        if fault_point("update") and self.main:
+            self.main[0].grad.view(-1)[0] = float("nan")
         norm = global_grad_norm(self.main, self.ps)
         if not math.isfinite(norm):
             self.zero_grad()

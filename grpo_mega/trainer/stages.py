@@ -32,6 +32,8 @@ import torch.distributed as dist
 from grpo_mega import algorithms as A
 from grpo_mega import models
 from grpo_mega.algorithms.vocab_parallel_triton import use_fused
+from grpo_mega.distributed.errors import run_on_src
+from grpo_mega.faults import fault_point
 from grpo_mega.models.precision import seq_multiple
 from grpo_mega.trainer.dynamic_sampling import KeptGroups
 from grpo_mega.trainer.batch import (TrainingBatch, compute_logprobs, metrics_to_floats,
@@ -71,6 +73,7 @@ def rollout(t: Trainer, step: int, round: int = 0) -> tuple[list[Prompt], Rollou
         # Per-prompt seeds hash (seed, step, index): a refill round shifts the seed so its
         # prompts do not reuse the first round's random streams index for index.
         sampling = dataclasses.replace(t.engine.sampling, seed=t.engine.sampling.seed + round)
+    fault_point("rollout.generate")
     return prompts, _generate(t, prompts, step, sampling)
 
 
@@ -124,20 +127,20 @@ def _score(t: Trainer, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list
     With ``algorithm.advantage=process`` each reward is a ``StepScores``, else a float."""
     from grpo_mega.rewards import RewardSample
 
-    scores, failures = None, 0
-    if t.scorer is not None:
+    def score() -> tuple[list, int]:
+        fault_point("reward.score")
         samples = []
         for i in range(len(batch)):
             p = prompts[batch.prompt_index[i]]
             meta = {"response_length": len(batch.response_ids[i]), "finish_reason": batch.finish_reasons[i]}
             samples.append(RewardSample(p.text, batch.texts[i], p.reference, {**p.metadata, **meta}))
         result = t.scorer.score(samples)
-        scores, failures = _reward_values(t, result), len(result.failures)
-    if t.ps.world_size > 1 and t.ps.tp * t.ps.pp > 1:
-        box = [(scores, failures)]
-        dist.broadcast_object_list(box, src=t.leader_rank, group=t.ps.mp_group)
-        scores, failures = box[0]
-    return scores, failures
+        return _reward_values(t, result), len(result.failures)
+
+    # A failure on the leader reaches the replica's other ranks as the same error, at
+    # once, instead of leaving them in the broadcast until the collective timeout.
+    shared = t.ps.world_size > 1 and t.ps.tp * t.ps.pp > 1
+    return run_on_src(score, t.leader_rank, t.ps.mp_group if shared else None, "reward scoring")
 
 
 def _reward_values(t: Trainer, result) -> list:
@@ -293,7 +296,8 @@ def update(t: Trainer, plan: UpdatePlan) -> dict[str, float]:
                                         max_len=t.cfg.rollout.max_new_tokens,
                                         reuse_current_as_old=not plan.off_policy,
                                         reference=t.ref if exact else None, **_kernel_kw(t))
-                t.scheduler.step()
+                if not metrics["skipped"]:  # a step skipped for a non-finite gradient norm
+                    t.scheduler.step()      # must not move the learning-rate schedule either
     return metrics_to_floats(metrics)
 
 
