@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from grpo_mega.config import OptimizerConfig
 from grpo_mega.distributed.state import ParallelState
+from grpo_mega.faults import fault_point
 from grpo_mega.optim.adamw import counts_once
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -166,6 +167,8 @@ class DistributedAdamW:
         Returns {'grad_norm', 'clip_coef', 'skipped'}."""
         if reduce:
             self.reduce_grads()
+        if fault_point("update") and self.buckets:
+            self.buckets[0].master.grad[0] = float("nan")
         norm = self.grad_norm()
         if not math.isfinite(norm):
             self.zero_grad()
