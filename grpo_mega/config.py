@@ -176,6 +176,12 @@ class AlgorithmConfig:
     """Per-token log-prob/entropy on the logits shard: ``torch`` (grpo_mega.algorithms),
     ``triton`` (the fused kernel in grpo_mega.algorithms.vocab_parallel_triton; CUDA and Triton) or ``auto``
     (triton where it can run, else torch). Both compute the same quantities."""
+    logits_chunk_size: int = 1024
+    """Tokens per block when the ``torch`` kernel reads the [tokens, V/tp] logits shard
+    (log-probs, entropy, exact KL): the padding mask, fp32 upcast and temperature are applied
+    one block at a time, so the update's extra memory is O(logits_chunk_size x V/tp) rather
+    than several shard-sized copies. 0: the whole shard as one block. Results do not depend
+    on it."""
     advantage: str = "outcome"
     """``outcome`` (group z-score of one reward per sample) or ``process`` (DeepSeekMath
     process supervision: every reward function returns ``grpo_mega.rewards.StepScores``,

@@ -230,7 +230,8 @@ class UpdatePlan:
 
 def _kernel_kw(t: Trainer) -> dict:
     return dict(vocab_size=t.cfg.model.vocab_size, temperature=t.temperature,
-                fused=use_fused(t.cfg.algorithm.logprob_kernel, t.ps.device))
+                fused=use_fused(t.cfg.algorithm.logprob_kernel, t.ps.device),
+                chunk_size=t.cfg.algorithm.logits_chunk_size or None)
 
 
 def _exact_kl(t: Trainer) -> bool:
