@@ -6,8 +6,9 @@ What it measures
     gradient) and ``backward()`` into the shard, at the sampling temperature with
     megatron's padded vocabulary masked. Per variant, in a FRESH child process (one at a
     time, so each high-water mark belongs to one variant alone): peak extra memory =
-    ru_maxrss after the work minus the RSS just before it (logits and targets already
-    allocated; the shard's gradient, which every variant makes, is counted), and the
+    VmHWM after the work minus the RSS just before it (logits and targets already
+    allocated, the high-water mark reset after the set-up; the shard's gradient, which
+    every variant makes, is counted), and the
     wall time of one forward + backward after a warm-up.
 
     One rank of TP=2 is emulated in one process: the rank holds V_pad/2 columns, and the
@@ -34,10 +35,15 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import resource
 import time
 
 VARIANTS = ("naive", "copy", "lean")
+
+
+def _high_water_mark() -> int:
+    """Peak RSS in bytes since the last reset (VmHWM; ``clear_refs`` 5 resets it, Linux >= 4.0)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
 
 
 def _work(variant: str, args, queue) -> None:
@@ -89,6 +95,10 @@ def _work(variant: str, args, queue) -> None:
 
     fn = dict(naive=naive, copy=copy, lean=lean)[variant]
     times = []
+    # Forget the set-up's own peak (the fp32 randn behind a bf16 shard is 2 shards), so the
+    # high-water mark read below is the work's alone.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     rss_before = psutil.Process().memory_info().rss
     for _ in range(2):  # a warm-up, then the timed pass; both reach the same peak
         shard.grad = None
@@ -97,7 +107,7 @@ def _work(variant: str, args, queue) -> None:
         (logp * weights).sum().backward()
         times.append(time.perf_counter() - t0)
         del logp, ent
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _high_water_mark()
     queue.put(dict(variant=variant, extra=peak - rss_before, time=times[-1],
                    shard=shard.numel() * shard.element_size()))
 

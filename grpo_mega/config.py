@@ -311,8 +311,16 @@ class LoggingConfig:
     the reference pass) to ``run_dir/batches/step{N}_dp{r}.pt``, one file per DP replica,
     to replay an update at another layout. Costs a device-to-host copy per step."""
     verbose: bool = False
-    """Show vLLM's own warnings and load bars. Off, vLLM logs errors only and an engine
-    start is one line of ours (``VLLM_LOGGING_LEVEL`` set in the environment still wins)."""
+    """Show the libraries' own output: vLLM's, torch's (Python and C++), megatron's and
+    transformers' warnings and vLLM's load bars. Off, they log errors only and an engine start
+    is one line of ours; ``--verbose`` on the command line is the same as
+    ``--logging.verbose=true``. Environment variables set by the user (``VLLM_LOGGING_LEVEL``,
+    ``TORCH_CPP_LOG_LEVEL``, ``PYTHONWARNINGS``) still win, and torch's C++ warnings follow the
+    command line only (they are fixed when torch loads, before the YAML is read)."""
+    progress: bool = True
+    """Progress bars on a terminal (stderr): the run's steps with live reward, KL and seconds
+    per step, and evaluation's generation. Never drawn when stderr is not a terminal (logs,
+    CI), where the per-step line is the record."""
 
 
 @dataclass

@@ -60,6 +60,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 import time
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -268,24 +269,26 @@ class RolloutEngine:
             seed=seed, logprobs=0, detokenize=True)
 
     def generate(self, prompts: Sequence[Any], sampling: SamplingConfig | None = None, *,
-                 step: int | None = None, prompt_offset: int = 0) -> RolloutBatch:
+                 step: int | None = None, prompt_offset: int = 0, progress: bool = False) -> RolloutBatch:
         """Sample ``n`` responses for each prompt (token id lists or objects
         with ``token_ids``, e.g. ``data.Prompt``). Collective over the replica
         (and over the world for ``external_launcher``); every rank of the
         replica returns the same batch. ``step`` feeds the per-request seeds
-        (default: an internal counter)."""
+        (default: an internal counter). ``progress``: vLLM's progress bar, when stderr is a
+        terminal (evaluation uses it)."""
         s = sampling or self.sampling
         step = self._step if step is None else step
         self._step = step + 1
         batch = None
         if self.holds_engine:
-            batch = self._generate_local(prompts, s, step, prompt_offset)
+            batch = self._generate_local(prompts, s, step, prompt_offset,
+                                         progress and sys.stderr.isatty())
         if self.mode == "child" and len(self._replica_ranks) > 1:
             batch = self._broadcast(batch)
         return batch
 
     def generate_for_replica(self, global_prompts: Sequence[Any], sampling: SamplingConfig | None = None,
-                             *, step: int | None = None) -> RolloutBatch:
+                             *, step: int | None = None, progress: bool = False) -> RolloutBatch:
         """Generate for this replica's slice of the global batch (the same on
         every rank); ``prompt_index`` refers to the global batch."""
         if len(global_prompts) % self.dp_size:
@@ -293,10 +296,10 @@ class RolloutEngine:
                              f"{self.dp_size} replicas; make the prompt batch a multiple of dp size")
         mine = shard_for_replica(global_prompts, self.dp_rank, self.dp_size)
         offset = self.dp_rank * (len(global_prompts) // self.dp_size)
-        return self.generate(mine, sampling, step=step, prompt_offset=offset)
+        return self.generate(mine, sampling, step=step, prompt_offset=offset, progress=progress)
 
     def _generate_local(self, prompts: Sequence[Any], s: SamplingConfig, step: int,
-                        offset: int) -> RolloutBatch:
+                        offset: int, use_tqdm: bool = False) -> RolloutBatch:
         from vllm.inputs import TokensPrompt
 
         ids = [list(getattr(p, "token_ids", p)) for p in prompts]
@@ -313,7 +316,7 @@ class RolloutEngine:
         params = [self._sampling_params(s, _request_seed(s.seed, step, offset + i, s.n))
                   for i in range(len(ids))]
         start = time.perf_counter()
-        outputs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
+        outputs = self.llm.generate(requests, params, use_tqdm=use_tqdm) if requests else []
         seconds = time.perf_counter() - start
         batch = RolloutBatch(prompt_ids=[], response_ids=[], logprobs=[], finish_reasons=[],
                              prompt_index=[], group_size=s.n, logprobs_mode=self.logprobs_mode,

@@ -50,10 +50,10 @@ def stage(name: str, timings: dict[str, float]) -> Iterator[None]:
 
 
 def _generate(t: Trainer, prompts: list[Prompt], step: int,
-              sampling: Optional[SamplingConfig] = None) -> RolloutBatch:
+              sampling: Optional[SamplingConfig] = None, progress: bool = False) -> RolloutBatch:
     t.engine.resume()
     try:
-        return t.engine.generate_for_replica(prompts, sampling, step=step)
+        return t.engine.generate_for_replica(prompts, sampling, step=step, progress=progress)
     finally:
         t.engine.release()  # the trainer's phases get the memory back
 
@@ -340,6 +340,17 @@ def log(t: Trainer, step: int, metrics: dict) -> None:
         t.sink.log(step, metrics)
 
 
+def bar_metrics(m: dict) -> dict[str, str]:
+    """The few step metrics shown on the run's progress bar."""
+    out = {k: f"{m[key]:.3f}" for key, k in (("reward_mean", "reward"), ("kl", "kl")) if key in m}
+    secs = sum(v for k, v in m.items() if k.startswith("time/"))
+    if secs:
+        out["s/step"] = f"{secs:.2f}"
+    if "eval_accuracy" in m:
+        out["eval"] = f"{m['eval_accuracy']:.1%}"
+    return out
+
+
 # ------------------------------------------------------------------------ evaluate
 
 def evaluate(t: Trainer, step: int) -> float:
@@ -352,7 +363,7 @@ def evaluate(t: Trainer, step: int) -> float:
     s = SamplingConfig(n=k, temperature=0.0 if k == 1 else t.cfg.rollout.temperature,
                        max_new_tokens=t.cfg.rollout.max_new_tokens, stop=tuple(t.cfg.rollout.stop),
                        seed=t.cfg.rollout.seed + 7919)
-    batch = _generate(t, prompts, step, s)
+    batch = _generate(t, prompts, step, s, progress=t.cfg.logging.progress and t.ps.rank == 0)
     rewards, _ = _score(t, prompts, batch)
     solved: dict[int, bool] = {}
     for i, r in enumerate(rewards):

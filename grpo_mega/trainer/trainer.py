@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
+from grpo_mega import console
 from grpo_mega.config import Config, ConfigError, cli_config
 from grpo_mega.preflight.validate import reward_specs, validate
 
@@ -78,7 +79,7 @@ class Trainer:
 
     def say(self, msg: str) -> None:
         if self.ps.rank == 0:
-            print(f"[grpo] {msg}", flush=True)
+            console.write(f"[grpo] {msg}")
 
     def finish(self) -> dict:
         summary = {"eval_accuracy_initial": self.eval_initial, "eval_accuracy_final": self.eval_last,
@@ -125,6 +126,9 @@ def _model_shape_from_hf(cfg: Config) -> None:
 
 def build_trainer(argv=None) -> Trainer:
     cfg = cli_config(argv)
+    # Again here for callers other than ``python -m grpo_mega.train`` and for a YAML
+    # ``verbose``; vLLM reads its level when first imported, which is below.
+    console.quiet_third_party(cfg.logging.verbose)
     if not cfg.model.hf_checkpoint:
         raise ConfigError("model.hf_checkpoint is required: the rollout engine loads it "
                           "(--model.hf_checkpoint=DIR)")
@@ -138,7 +142,7 @@ def build_trainer(argv=None) -> Trainer:
     from grpo_mega.distributed.state import init_parallel
     ps = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.parallel.seed,
                        timeout_minutes=cfg.parallel.timeout_minutes)
-    say = (lambda m: print(f"[grpo] {m}", flush=True)) if ps.rank == 0 else (lambda m: None)
+    say = (lambda m: console.write(f"[grpo] {m}")) if ps.rank == 0 else (lambda m: None)
     say(f"world {ps.world_size}: tp {ps.tp} x pp {ps.pp} x dp {ps.dp} on {ps.device}")
 
     from grpo_mega.data import PromptDataset
@@ -188,8 +192,6 @@ def build_trainer(argv=None) -> Trainer:
 
     say("starting the vLLM engine (first start takes 10-30 s on CPU)")
     quiet = not cfg.logging.verbose
-    if quiet:  # vLLM reads its level when first imported, which is just below
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from grpo_mega.rollout import EngineConfig, RolloutEngine, SamplingConfig
     r = cfg.rollout
     engine = RolloutEngine(
