@@ -199,6 +199,12 @@ class AlgorithmConfig:
     """Per-token log-prob/entropy on the logits shard: ``torch`` (grpo_mega.algorithms),
     ``triton`` (the fused kernel in grpo_mega.algorithms.vocab_parallel_triton; CUDA and Triton) or ``auto``
     (triton where it can run, else torch). Both compute the same quantities."""
+    logits_chunk_size: int = 1024
+    """Tokens per block when the ``torch`` kernel reads the [tokens, V/tp] logits shard
+    (log-probs, entropy, exact KL): the padding mask, fp32 upcast and temperature are applied
+    one block at a time, so the update's extra memory is O(logits_chunk_size x V/tp) rather
+    than several shard-sized copies. 0: the whole shard as one block. Results do not depend
+    on it."""
     advantage: str = "outcome"
     """``outcome`` (group z-score of one reward per sample) or ``process`` (DeepSeekMath
     process supervision: every reward function returns ``grpo_mega.rewards.StepScores``,
@@ -338,8 +344,16 @@ class LoggingConfig:
     the reference pass) to ``run_dir/batches/step{N}_dp{r}.pt``, one file per DP replica,
     to replay an update at another layout. Costs a device-to-host copy per step."""
     verbose: bool = False
-    """Show vLLM's own warnings and load bars. Off, vLLM logs errors only and an engine
-    start is one line of ours (``VLLM_LOGGING_LEVEL`` set in the environment still wins)."""
+    """Show the libraries' own output: vLLM's, torch's (Python and C++), megatron's and
+    transformers' warnings and vLLM's load bars. Off, they log errors only and an engine start
+    is one line of ours; ``--verbose`` on the command line is the same as
+    ``--logging.verbose=true``. Environment variables set by the user (``VLLM_LOGGING_LEVEL``,
+    ``TORCH_CPP_LOG_LEVEL``, ``PYTHONWARNINGS``) still win, and torch's C++ warnings follow the
+    command line only (they are fixed when torch loads, before the YAML is read)."""
+    progress: bool = True
+    """Progress bars on a terminal (stderr): the run's steps with live reward, KL and seconds
+    per step, and evaluation's generation. Never drawn when stderr is not a terminal (logs,
+    CI), where the per-step line is the record."""
 
 
 @dataclass

@@ -26,13 +26,18 @@ import os
 import sys
 import time
 
-import torch
-import torch.distributed as dist
+from grpo_mega import console
 
-from grpo_mega import faults
-from grpo_mega.trainer import stages as S
-from grpo_mega.trainer.stages import stage
-from grpo_mega.trainer.trainer import Trainer, build_trainer
+if __name__ == "__main__":  # before torch loads: it reads TORCH_CPP_LOG_LEVEL only then
+    console.quiet_third_party(console.verbose_requested(sys.argv[1:]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from grpo_mega import faults  # noqa: E402
+from grpo_mega.trainer import stages as S  # noqa: E402
+from grpo_mega.trainer.stages import stage  # noqa: E402
+from grpo_mega.trainer.trainer import Trainer, build_trainer  # noqa: E402
 
 
 def grpo_step(t: Trainer, step: int) -> dict:
@@ -85,6 +90,8 @@ def run(t: Trainer) -> dict:
         S.log(t, 0, {"eval_accuracy": t.eval_initial})
     bad_steps, last_eval = 0, t.eval_last
     limit = cfg.algorithm.time_limit_minutes * 60
+    bar = console.bar(total=steps, initial=t.step, desc="[grpo] steps", unit="step",
+                      enabled=cfg.logging.progress and t.ps.rank == 0)
     while t.step < steps:
         if limit and _agreed_elapsed(t) > limit:
             t.say(f"time limit of {cfg.algorithm.time_limit_minutes} min reached at step {t.step}")
@@ -110,15 +117,19 @@ def run(t: Trainer) -> dict:
             last_eval = m["eval_accuracy"] = S.evaluate(t, t.step)
         t.eval_last = last_eval
         S.log(t, t.step, m)
+        bar.set_postfix(S.bar_metrics(m), refresh=False)
+        bar.update(1)
         if cfg.checkpoint.save_every and t.step % cfg.checkpoint.save_every == 0 and t.step < steps:
             with stage("checkpoint", {}):
                 S.checkpoint(t)
+    bar.close()
     S.checkpoint(t)
     return t.finish()
 
 
 def main(argv=None) -> int:
-    t = build_trainer(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    t = build_trainer(["--logging.verbose=true" if a == "--verbose" else a for a in argv])
     try:
         summary = run(t)
         if t.ps.rank == 0:

@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--hf-dir", required=True, help="HF checkpoint directory (config.json + *.safetensors)")
     a.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
     a.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    a.add_argument("--no-progress", action="store_true",
+                   help="a line per tensor instead of a progress bar (a bar is drawn only on a terminal)")
     b = sub.add_parser("mcore-to-hf", help="megatron-core torch_dist checkpoint -> HF safetensors")
     b.add_argument("--in", dest="input", required=True, help="megatron-core checkpoint directory")
     b.add_argument("--out", required=True, help="output HF directory (must not exist unless --overwrite)")
@@ -36,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--allow-unsafe-load", action="store_true",
                    help="unpickle a checkpoint index that names more than torch's checkpoint records; "
                         "this can run code from the files: only for checkpoints you made yourself")
+    b.add_argument("--no-progress", action="store_true",
+                   help="a line per tensor group instead of a progress bar (drawn only on a terminal)")
     return p
 
 
@@ -47,11 +51,12 @@ def main(argv=None) -> int:
 
     try:
         if args.cmd == "hf-to-mcore":
-            convert.hf_to_mcore(args.hf_dir, args.out, overwrite=args.overwrite)
+            convert.hf_to_mcore(args.hf_dir, args.out, overwrite=args.overwrite, bar=not args.no_progress)
         else:
             convert.mcore_to_hf(args.input, args.out, hf_config_dir=args.hf_config,
                                 overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 2**30),
-                                allow_unsafe_load=args.allow_unsafe_load)
+                                allow_unsafe_load=args.allow_unsafe_load,
+                                bar=not args.no_progress)
     except (CheckpointError, MappingError) as e:  # MappingError: MissingTensorError, ShapeMismatchError
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2

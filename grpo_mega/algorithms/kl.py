@@ -33,7 +33,8 @@ class KLEstimator(NamedTuple):
     fn: Callable[..., Tensor]
     """``needs_logits=False``: x = logp - ref_logp [B, T] -> [B, T] estimate.
     ``needs_logits=True``: (logits_shard [..., V/tp], ref_logits_shard [..., V/tp],
-    tp_group) -> [...] exact KL, differentiable w.r.t. the policy logits only."""
+    tp_group, **sampling) -> [...] exact KL, differentiable w.r.t. the policy logits only;
+    ``sampling`` is ``chunk_size``/``temperature``/``vocab_size`` as in ``vocab_parallel_kl``."""
     needs_logits: bool = False
     """Whether the loss needs the reference LOGITS per token (not just its log-probs)."""
 
@@ -89,7 +90,8 @@ def kl_needs_logits(kind: str) -> bool:
     return _kl_estimator(kind, "kl_kind").needs_logits
 
 
-def exact_kl(kind: str, logits_shard: Tensor, ref_logits_shard: Tensor, tp_group=None) -> Tensor:
+def exact_kl(kind: str, logits_shard: Tensor, ref_logits_shard: Tensor, tp_group=None,
+             **sampling) -> Tensor:
     """Per-token exact KL(pi_theta || pi_ref) of a ``needs_logits`` kind.
 
     Args:
@@ -97,12 +99,14 @@ def exact_kl(kind: str, logits_shard: Tensor, ref_logits_shard: Tensor, tp_group
             policy and reference logits of the SAME tokens (same distribution
             transform: temperature, padded-vocab masking).
         tp_group: tensor-parallel group, None for one rank.
+        sampling: ``chunk_size``, ``temperature``, ``vocab_size`` of ``vocab_parallel_kl``:
+            the transform applied to both raw shards, block by block.
     Returns: [...] KL in nats; gradient flows to ``logits_shard`` only.
     """
     est = _kl_estimator(kind, "kl_kind")
     if not est.needs_logits:
         raise ValueError(f"kl_kind={kind!r} is a sample estimator of log-probs; use kl_penalty")
-    return est.fn(logits_shard, ref_logits_shard, tp_group)
+    return est.fn(logits_shard, ref_logits_shard, tp_group, **sampling)
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str, *,

@@ -54,7 +54,10 @@ def _gather_module(params, cfg: ModelConfig, ps) -> list[tuple[str, torch.Tensor
     gets them: a colocated engine needs the full tensors on every rank)."""
     out = []
     for name, local in params:
-        full = mcore_layout.gather(name, local, ps.tp_group, ps.tp, cfg.vocab_size)
+        # At TP=1 nothing is gathered: the parameter itself (export's tensors may be views),
+        # where ``gather`` would copy it through a one-shard concatenation. The mapping table
+        # drops megatron's vocabulary padding rows either way.
+        full = local if ps.tp == 1 else mcore_layout.gather(name, local, ps.tp_group, ps.tp, cfg.vocab_size)
         out += mapping.canonical_to_hf(name, full, cfg)
     return out
 

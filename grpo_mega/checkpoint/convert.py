@@ -51,6 +51,8 @@ from grpo_mega.config import ModelConfig
 from grpo_mega.models import hf as mapping
 from grpo_mega.models.hf import MissingTensorError, ShapeMismatchError
 from grpo_mega.models.hf_config import hf_config_from_model_config, model_config_from_hf
+from grpo_mega.console import bar as progress_bar
+from grpo_mega.console import shown
 
 __all__ = [
     "CheckpointError", "hf_to_mcore", "mcore_to_hf", "load_mcore_weights", "load_hf_weights",
@@ -131,8 +133,11 @@ def _owners(names: list[str], cfg: ModelConfig, world: int) -> dict[str, int]:
 
 
 def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
-                overwrite: bool = False, progress: Progress = print) -> Path:
+                overwrite: bool = False, progress: Progress = print, bar: bool = False) -> Path:
     """Convert an HF checkpoint to a megatron-core torch_dist checkpoint in ``out_dir``.
+
+    ``bar``: a progress bar over the tensors on a terminal (``grpo_mega.console``), in
+    place of a ``progress`` line per tensor.
 
     Runs in one process or collectively under torchrun (each rank converts and writes
     a share of the tensors). Shapes are checked against config.json first, from the
@@ -157,7 +162,9 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         start = time.perf_counter()
         sharded = {}
         mine = [n for n in names if owner[n] == rank]
-        for i, name in enumerate(mine):
+        tensors = progress_bar(mine, desc=f"[hf-to-mcore]{f' rank {rank}' if world > 1 else ''} tensors",
+                               unit="tensor", enabled=bar)
+        for i, name in enumerate(tensors):
             t = mapping.hf_to_canonical(name, reader.get, cfg)
             key, layer = checkpoint_key(name)
             if layer is None:
@@ -165,8 +172,10 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             else:
                 sharded[name] = ShardedTensor.from_rank_offsets(
                     key, t, (0, layer, cfg.num_layers), replica_id=0, prepend_axis_num=1)
-            _say(progress, f"[hf-to-mcore]{f' rank {rank}' if world > 1 else ''} "
-                           f"{i + 1}/{len(mine)} {name} {tuple(t.shape)} {t.dtype}")
+            if not shown(tensors):
+                _say(progress, f"[hf-to-mcore]{f' rank {rank}' if world > 1 else ''} "
+                               f"{i + 1}/{len(mine)} {name} {tuple(t.shape)} {t.dtype}")
+        tensors.close()
         _say(progress, f"[hf-to-mcore] writing torch_dist checkpoint ({len(names)} tensors)")
         dist_checkpointing.save(sharded, str(tmp), sharded_strategy=_save_strategy())
         if rank == 0:
@@ -247,9 +256,11 @@ def _load_group(group: list[str], meta: dict, ckpt_dir: Path, cfg: ModelConfig) 
 
 def mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                 hf_config_dir: str | os.PathLike | None = None, overwrite: bool = False,
-                max_shard_bytes: int = 5 * 2**30, progress: Progress = print,
+                max_shard_bytes: int = 5 * 2**30, progress: Progress = print, bar: bool = False,
                 allow_unsafe_load: bool = False) -> Path:
     """Convert a megatron-core torch_dist checkpoint back to an HF checkpoint.
+
+    ``bar``: a progress bar over the tensor groups on a terminal, in place of a line each.
 
     The model config comes from the checkpoint's ``grpo_mega.json`` (written by
     hf_to_mcore) or from ``hf_config_dir``'s config.json; config.json and tokenizer
@@ -279,14 +290,17 @@ def mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         start = time.perf_counter()
         writer = _ShardWriter(tmp, max_shard_bytes)
         groups = _groups(cfg)
-        for g, group in enumerate(groups):
+        steps = progress_bar(groups, desc="[mcore-to-hf] groups", unit="group", enabled=bar and rank == 0)
+        for g, group in enumerate(steps):
             loaded = _load_group(group, meta, ckpt, cfg)
             for name in group:
                 pairs = mapping.canonical_to_hf(name, loaded.pop(name), cfg)
                 if rank == 0:
                     writer.add(pairs)
-            _say(progress, f"[mcore-to-hf] {g + 1}/{len(groups)} loaded {', '.join(group[:2])}"
-                           f"{' ...' if len(group) > 2 else ''}")
+            if not shown(steps):
+                _say(progress, f"[mcore-to-hf] {g + 1}/{len(groups)} loaded {', '.join(group[:2])}"
+                               f"{' ...' if len(group) > 2 else ''}")
+        steps.close()
         if rank == 0:
             files = writer.finish()
             _write_hf_side_files(tmp, src, cfg)

@@ -218,6 +218,10 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
         # Refill rounds shift the sampling seed by their index; evaluation uses seed + 7919.
         raise ConfigError(f"algorithm.dynamic_sampling_max_rounds={a.dynamic_sampling_max_rounds} must be "
                           "in 1..100 (--algorithm.dynamic_sampling_max_rounds)")
+    if isinstance(a.logits_chunk_size, bool) or not isinstance(a.logits_chunk_size, int) \
+            or a.logits_chunk_size < 0:
+        raise ConfigError(f"algorithm.logits_chunk_size={a.logits_chunk_size!r} must be an int >= 0 "
+                          "(tokens per block; 0: the whole shard) (--algorithm.logits_chunk_size)")
     if a.clip_low < 0 or a.clip_high < 0:
         raise ConfigError("algorithm.clip_low/clip_high must be >= 0")
     if a.dual_clip is not None and a.dual_clip <= 1:

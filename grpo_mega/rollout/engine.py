@@ -65,6 +65,7 @@ import collections
 import hashlib
 import logging
 import os
+import sys
 import time
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -276,25 +277,27 @@ class RolloutEngine:
             seed=seed, logprobs=0, detokenize=True)
 
     def generate(self, prompts: Sequence[Any], sampling: SamplingConfig | None = None, *,
-                 step: int | None = None, prompt_offset: int = 0) -> RolloutBatch:
+                 step: int | None = None, prompt_offset: int = 0, progress: bool = False) -> RolloutBatch:
         """Sample ``n`` responses for each prompt (token id lists or objects
         with ``token_ids``, e.g. ``data.Prompt``). Collective over the replica
         (and over the world for ``external_launcher``); every rank of the
         replica returns the same batch. ``step`` feeds the per-request seeds
-        (default: an internal counter)."""
+        (default: an internal counter). ``progress``: vLLM's progress bar, when stderr is a
+        terminal (evaluation uses it)."""
         s = sampling or self.sampling
         step = self._step if step is None else step
         self._step = step + 1
         self.calls.append("generate")
         batch = None
         if self.holds_engine:
-            batch = self._generate_local(prompts, s, step, prompt_offset)
+            batch = self._generate_local(prompts, s, step, prompt_offset,
+                                         progress and sys.stderr.isatty())
         if self.mode == "child" and len(self._replica_ranks) > 1:
             batch = self._broadcast(batch)
         return batch
 
     def generate_for_replica(self, global_prompts: Sequence[Any], sampling: SamplingConfig | None = None,
-                             *, step: int | None = None) -> RolloutBatch:
+                             *, step: int | None = None, progress: bool = False) -> RolloutBatch:
         """Generate for this replica's slice of the global batch (the same on
         every rank); ``prompt_index`` refers to the global batch."""
         if len(global_prompts) % self.dp_size:
@@ -302,24 +305,25 @@ class RolloutEngine:
                              f"{self.dp_size} replicas; make the prompt batch a multiple of dp size")
         mine = shard_for_replica(global_prompts, self.dp_rank, self.dp_size)
         offset = self.dp_rank * (len(global_prompts) // self.dp_size)
-        return self.generate(mine, sampling, step=step, prompt_offset=offset)
+        return self.generate(mine, sampling, step=step, prompt_offset=offset, progress=progress)
 
     def generate_resharded(self, global_prompts: Sequence[Any], sampling: SamplingConfig | None = None,
-                           *, step: int | None = None, to_rank: int = 0, to_size: int = 1) -> RolloutBatch:
+                           *, step: int | None = None, to_rank: int = 0, to_size: int = 1,
+                           progress: bool = False) -> RolloutBatch:
         """The samples of slice ``to_rank`` of ``to_size`` of the global prompt batch (a
         trainer DP replica's share), whatever the engine layout: each engine replica samples
         its own slice, the slices are gathered on every rank and cut anew
         (``rollout.layout``). Collective over the world."""
         from grpo_mega.rollout.layout import gather_global, prompt_slice
 
-        mine = self.generate_for_replica(global_prompts, sampling, step=step)
+        mine = self.generate_for_replica(global_prompts, sampling, step=step, progress=progress)
         if _dist_world()[1] == 1:
             return prompt_slice(mine, len(global_prompts), to_rank, to_size)
         everything = gather_global(mine, contributes=_dist_world()[0] == self._replica_ranks[0])
         return prompt_slice(everything, len(global_prompts), to_rank, to_size)
 
     def _generate_local(self, prompts: Sequence[Any], s: SamplingConfig, step: int,
-                        offset: int) -> RolloutBatch:
+                        offset: int, use_tqdm: bool = False) -> RolloutBatch:
         from vllm.inputs import TokensPrompt
 
         ids = [list(getattr(p, "token_ids", p)) for p in prompts]
@@ -336,7 +340,7 @@ class RolloutEngine:
         params = [self._sampling_params(s, _request_seed(s.seed, step, offset + i, s.n))
                   for i in range(len(ids))]
         start = time.perf_counter()
-        outputs = self.llm.generate(requests, params, use_tqdm=False) if requests else []
+        outputs = self.llm.generate(requests, params, use_tqdm=use_tqdm) if requests else []
         seconds = time.perf_counter() - start
         batch = RolloutBatch(prompt_ids=[], response_ids=[], logprobs=[], finish_reasons=[],
                              prompt_index=[], group_size=s.n, logprobs_mode=self.logprobs_mode,

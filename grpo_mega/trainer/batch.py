@@ -28,7 +28,6 @@ from grpo_mega import algorithms as A
 from grpo_mega.algorithms.vocab_parallel_triton import fused_logprobs_entropy
 from grpo_mega.distributed.schedule import run_microbatches
 from grpo_mega.distributed.state import ParallelState
-from grpo_mega.models import mask_vocab_padding
 
 _PER_TOKEN = ("targets", "loss_mask", "rollout_logp", "old_logp", "ref_logp")
 
@@ -132,53 +131,89 @@ class TrainingBatch:
         return [self.slice(i, min(i + size, len(self))) for i in range(0, len(self), size)]
 
 
-def _target_logits(logits: Tensor, vocab_size: int, ps: ParallelState, temperature: float) -> Tensor:
-    """[b, s, V_pad/tp] -> fp32 [b, s-1, V_pad/tp] of the sampling distribution."""
-    z = mask_vocab_padding(logits[:, :-1], vocab_size, ps.tp_rank).float()
-    # vLLM's processed logprobs are of softmax(logits / T); the ratio must use the same.
-    return z / temperature if temperature not in (0.0, 1.0) else z
+def _with_last_target(tgt: Tensor) -> Tensor:
+    """[b, s-1] targets -> [b, s], a 0 appended to each row. The logits at the last position
+    predict nothing, but taking ``logits[:, :-1]`` of a [b, s, V/tp] shard (b > 1) is not a
+    view the vocab-parallel functions can flatten: they would copy the whole shard. Scoring
+    the last position too costs 1/s more work and no copy; its gradient is exactly 0."""
+    return torch.nn.functional.pad(tgt, (0, 1))
+
+
+def _sampling_kw(vocab_size: int, temperature: float, chunk_size: Optional[int]) -> dict:
+    # vLLM's processed logprobs are of softmax(logits / T) over the real vocabulary; the
+    # ratio must use the same distribution. Masking and T are applied chunk by chunk.
+    return dict(vocab_size=vocab_size, temperature=temperature, chunk_size=chunk_size)
 
 
 def _logprobs_entropy(logits: Tensor, tgt: Tensor, ps: ParallelState, *, vocab_size: int,
                       temperature: float, fused: bool, entropy: bool = True,
-                      z: Optional[Tensor] = None):
+                      chunk_size: Optional[int] = None):
     """(logp, entropy or None), each [b, s-1], of the sampling distribution, for logits
     [b, s, V_pad/tp] and targets [b, s-1]. ``fused``: the Triton kernel reads the bf16
-    shard directly; otherwise the shard is masked, upcast and scaled first (or ``z``, that
-    shard already made by ``_target_logits``, is used). Entropy is a metric here, so it
-    carries no gradient."""
+    shard directly; otherwise the vocab-parallel functions read it ``chunk_size`` tokens
+    at a time (None: all at once). Entropy is a metric here, so it carries no gradient."""
     if fused:
         logp, ent = fused_logprobs_entropy(logits[:, :-1], tgt, ps.tp_group,
                                            temperature=temperature, vocab_size=vocab_size)
         return logp, ent.detach() if entropy else None
-    if z is None:
-        z = _target_logits(logits, vocab_size, ps, temperature)
-    logp = A.vocab_parallel_logprobs(z, tgt, ps.tp_group)
+    kw = _sampling_kw(vocab_size, temperature, chunk_size)
+    logp = A.vocab_parallel_logprobs(logits, _with_last_target(tgt), ps.tp_group, **kw)[:, :-1]
     if not entropy:
         return logp, None
     with torch.no_grad():
-        return logp, A.vocab_parallel_entropy(z.detach(), ps.tp_group)
+        return logp, A.vocab_parallel_entropy(logits.detach(), ps.tp_group, **kw)[:, :-1]
 
 
 def compute_logprobs(model, micro: list[TrainingBatch], ps: ParallelState, *, vocab_size: int,
-                     temperature: float, key: str, fused: bool = False) -> None:
+                     temperature: float, key: str, fused: bool = False,
+                     chunk_size: Optional[int] = None) -> None:
     """Forward-only pass; on the last stage writes each micro-batch's log-probs into its
     ``key`` tensor ("old_logp" / "ref_logp"), a view of the step's batch (allocate it
-    with ``empty_logp`` before slicing)."""
+    with ``empty_logp`` before slicing). ``chunk_size``: tokens per block of the logits
+    shard (``algorithm.logits_chunk_size``)."""
 
     def loss_fn(logits, mb: TrainingBatch):
         logp, _ = _logprobs_entropy(logits, mb.targets, ps, vocab_size=vocab_size,
-                                    temperature=temperature, fused=fused, entropy=False)
+                                    temperature=temperature, fused=fused, entropy=False,
+                                    chunk_size=chunk_size)
         getattr(mb, key).copy_(logp)
         return logits.new_zeros(()), {}
 
     run_microbatches(model, micro, loss_fn, ps, forward_only=True)
 
 
+def micro_loss(logits: Tensor, mb: TrainingBatch, ps: ParallelState, algo, *,
+               ref_logits: Optional[Tensor] = None, vocab_size: int, temperature: float,
+               max_len: int, reuse_current_as_old: bool, global_tokens: int, global_seqs: int,
+               fused: bool = False, chunk_size: Optional[int] = None) -> tuple[Tensor, dict, Tensor]:
+    """The GRPO loss of one micro-batch from its logits shard ``logits: [b, s, V_pad/tp]``
+    (and ``ref_logits``, same shape, when ``algo.kl_kind`` needs them): its share of the
+    mini-batch's loss over ``global_tokens`` / ``global_seqs``. Returns (loss, the metrics
+    of ``policy_loss``, logp [b, s-1] of the sampling distribution)."""
+    logp, entropy = _logprobs_entropy(logits, mb.targets, ps, vocab_size=vocab_size,
+                                      temperature=temperature, fused=fused, chunk_size=chunk_size)
+    kl = None
+    if ref_logits is not None:
+        # Same sampling distribution (padding mask, temperature) for both policies.
+        kl = A.exact_kl(algo.kl_kind, logits, ref_logits, ps.tp_group,
+                        **_sampling_kw(vocab_size, temperature, chunk_size))[:, :-1]
+    old = logp.detach() if reuse_current_as_old else mb.old_logp
+    loss, m = A.policy_loss(
+        logp, old, mb.advantages, mb.loss_mask,
+        clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
+        agg=algo.loss_agg, variant=algo.policy_loss,
+        ref_logp=mb.ref_logp if algo.kl_coef > 0 and kl is None else None,
+        kl_coef=algo.kl_coef, kl_kind=algo.kl_kind, kl=kl,
+        rollout_logp=mb.rollout_logp if algo.tis_cap else None,
+        tis_cap=algo.tis_cap, entropy=entropy, max_len=max_len,
+        global_tokens=max(global_tokens, 1), global_seqs=max(global_seqs, 1))
+    return loss, m, logp
+
+
 def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelState, algo, *,
                   vocab_size: int, temperature: float, max_len: int,
                   reuse_current_as_old: bool, fused: bool = False,
-                  reference=None) -> dict[str, Tensor | float]:
+                  reference=None, chunk_size: Optional[int] = None) -> dict[str, Tensor | float]:
     """One optimizer step over ``micro`` (this DP rank's share of a mini-batch).
 
     The loss of each micro-batch is its share of the global mini-batch mean
@@ -192,6 +227,11 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
     from logits (``full``): the schedule runs it on each micro-batch inside the policy's
     forward step (at PP>1 its hidden states travel with the policy's) and the loss takes
     the exact KL of the two logits shards.
+
+    ``chunk_size``: tokens per block of the logits shard in the log-prob, entropy and KL
+    functions (``algorithm.logits_chunk_size``; None: the whole shard at once). The padding
+    mask, the fp32 upcast and the temperature are applied per block, so no full-shard
+    copy is made; results do not depend on it.
     """
     tokens, seqs = A.global_batch_counts([mb.loss_mask for mb in micro], ps.dp_group if ps.dp > 1 else None)
     exact = algo.kl_coef > 0 and A.kl_needs_logits(algo.kl_kind)
@@ -200,25 +240,10 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
                          "update_policy(..., reference=ref)")
 
     def loss_fn(logits, mb: TrainingBatch, ref_logits: Optional[Tensor] = None):
-        z = None if fused else _target_logits(logits, vocab_size, ps, temperature)
-        logp, entropy = _logprobs_entropy(logits, mb.targets, ps, vocab_size=vocab_size,
-                                          temperature=temperature, fused=fused, z=z)
-        kl = None
-        if exact:
-            # Same sampling distribution (padding mask, temperature) for both policies.
-            z = _target_logits(logits, vocab_size, ps, temperature) if z is None else z
-            ref_z = _target_logits(ref_logits, vocab_size, ps, temperature)
-            kl = A.exact_kl(algo.kl_kind, z, ref_z, ps.tp_group)
-        old = logp.detach() if reuse_current_as_old else mb.old_logp
-        loss, m = A.policy_loss(
-            logp, old, mb.advantages, mb.loss_mask,
-            clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
-            agg=algo.loss_agg, variant=algo.policy_loss,
-            ref_logp=mb.ref_logp if algo.kl_coef > 0 and not exact else None,
-            kl_coef=algo.kl_coef, kl_kind=algo.kl_kind, kl=kl,
-            rollout_logp=mb.rollout_logp if algo.tis_cap else None,
-            tis_cap=algo.tis_cap, entropy=entropy, max_len=max_len,
-            global_tokens=max(tokens, 1), global_seqs=max(seqs, 1))
+        loss, m, logp = micro_loss(logits, mb, ps, algo, ref_logits=ref_logits if exact else None,
+                                   vocab_size=vocab_size, temperature=temperature, max_len=max_len,
+                                   reuse_current_as_old=reuse_current_as_old, global_tokens=tokens,
+                                   global_seqs=seqs, fused=fused, chunk_size=chunk_size)
         # float64 on the device: the same sums the host used to do in Python floats.
         n_valid = mb.loss_mask.sum().double()
         gap = ((logp.detach() - mb.rollout_logp).abs() * mb.loss_mask).sum().double()

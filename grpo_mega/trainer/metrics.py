@@ -10,12 +10,56 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from grpo_mega.console import write
+
 CONSOLE_KEYS = [  # (metric, label, format)
     ("reward_mean", "reward", "{:.3f}"), ("reward_std", "±", "{:.3f}"), ("accuracy", "acc", "{:.2f}"),
     ("kl", "kl", "{:.4f}"), ("entropy", "ent", "{:.3f}"), ("clipfrac", "clip", "{:.3f}"),
     ("response_len", "len", "{:.1f}"), ("rollout_logp_gap", "gap", "{:.1e}"),
     ("tokens_per_s", "tok/s", "{:.0f}"),
 ]
+
+
+def stage_series(history: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
+    """{stage: (steps, seconds)} from the ``time/<stage>`` metrics of the logged rows, in
+    order of first appearance (a stage that runs only on some steps has only those points)."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for row in history:
+        for k, v in row.items():
+            if k.startswith("time/") and isinstance(v, (int, float)):
+                steps, secs = out.setdefault(k[5:], ([], []))
+                steps.append(row["step"])
+                secs.append(float(v))
+    return out
+
+
+def plot_figure(history: list[dict]):
+    """reward.png's figure: train reward and held-out accuracy over steps (top), and the
+    seconds of each stage per step (bottom, from the ``time/<stage>`` metrics)."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in history if "reward_mean" in r]
+    evals = [r for r in history if "eval_accuracy" in r]
+    fig, (ax, ax_t) = plt.subplots(2, 1, figsize=(7, 7), sharex=True,
+                                   gridspec_kw={"height_ratios": [3, 2]})
+    ax.plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], label="train reward (T=1)",
+            alpha=0.6)
+    ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-",
+            label="held-out accuracy (greedy)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("grpo-mega: reward and held-out accuracy")
+    for name, (steps, secs) in stage_series(history).items():
+        ax_t.plot(steps, secs, label=name, lw=1)
+    ax_t.set_xlabel("GRPO step")
+    ax_t.set_ylabel("seconds")
+    ax_t.set_title("time per stage")
+    ax_t.grid(alpha=0.3)
+    if ax_t.lines:
+        ax_t.legend(fontsize="small", ncol=4)
+    fig.tight_layout()
+    return fig
 
 
 class MetricsSink:
@@ -52,7 +96,7 @@ class MetricsSink:
         if self.wb is not None:
             self.wb.log(metrics, step=step)
         if console:
-            print(self.format_line(step, metrics), flush=True)
+            write(self.format_line(step, metrics))
 
     def format_line(self, step: int, m: dict) -> str:
         width = len(str(self.total or step))
@@ -68,7 +112,8 @@ class MetricsSink:
         return "  ".join(parts)
 
     def finish(self, summary: dict) -> dict:
-        """Write summary.json and the reward / eval-accuracy plot; returns the summary."""
+        """Write summary.json and reward.png (reward and eval accuracy over steps, and below
+        them the seconds of each stage per step); returns the summary."""
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=1))
         try:
             self._plot()
@@ -77,6 +122,8 @@ class MetricsSink:
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wb is not None:
+            self.wb.finish()
         return summary
 
     def _plot(self) -> None:
@@ -84,18 +131,6 @@ class MetricsSink:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        rows = [r for r in self.history if "reward_mean" in r]
-        evals = [r for r in self.history if "eval_accuracy" in r]
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot([r["step"] for r in rows], [r["reward_mean"] for r in rows], label="train reward (T=1)",
-                alpha=0.6)
-        ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-",
-                label="held-out accuracy (greedy)")
-        ax.set_xlabel("GRPO step")
-        ax.set_ylim(0, 1)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        ax.set_title("grpo-mega: reward and held-out accuracy")
-        fig.tight_layout()
+        fig = plot_figure(self.history)
         fig.savefig(self.dir / "reward.png", dpi=110)
         plt.close(fig)

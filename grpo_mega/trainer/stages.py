@@ -56,10 +56,10 @@ def stage(name: str, timings: dict[str, float]) -> Iterator[None]:
 
 
 def _generate(t: Trainer, prompts: list[Prompt], step: int,
-              sampling: Optional[SamplingConfig] = None) -> RolloutBatch:
+              sampling: Optional[SamplingConfig] = None, progress: bool = False) -> RolloutBatch:
     t.engine.resume()  # a no-op unless something released it since the last sync
     return t.engine.generate_resharded(prompts, sampling, step=step, to_rank=t.ps.dp_rank,
-                                       to_size=t.ps.dp)
+                                       to_size=t.ps.dp, progress=progress)
 
 
 # ------------------------------------------------------------------------- rollout
@@ -235,7 +235,8 @@ class UpdatePlan:
 
 def _kernel_kw(t: Trainer) -> dict:
     return dict(vocab_size=t.cfg.model.vocab_size, temperature=t.temperature,
-                fused=use_fused(t.cfg.algorithm.logprob_kernel, t.ps.device))
+                fused=use_fused(t.cfg.algorithm.logprob_kernel, t.ps.device),
+                chunk_size=t.cfg.algorithm.logits_chunk_size or None)
 
 
 def _exact_kl(t: Trainer) -> bool:
@@ -354,6 +355,17 @@ def log(t: Trainer, step: int, metrics: dict) -> None:
         t.sink.log(step, metrics)
 
 
+def bar_metrics(m: dict) -> dict[str, str]:
+    """The few step metrics shown on the run's progress bar."""
+    out = {k: f"{m[key]:.3f}" for key, k in (("reward_mean", "reward"), ("kl", "kl")) if key in m}
+    secs = sum(v for k, v in m.items() if k.startswith("time/"))
+    if secs:
+        out["s/step"] = f"{secs:.2f}"
+    if "eval_accuracy" in m:
+        out["eval"] = f"{m['eval_accuracy']:.1%}"
+    return out
+
+
 # ------------------------------------------------------------------------ evaluate
 
 def evaluate(t: Trainer, step: int) -> float:
@@ -367,7 +379,7 @@ def evaluate(t: Trainer, step: int) -> float:
     s = SamplingConfig(n=k, temperature=0.0 if k == 1 else t.cfg.rollout.temperature,
                        max_new_tokens=t.cfg.rollout.max_new_tokens, stop=tuple(t.cfg.rollout.stop),
                        seed=t.cfg.rollout.seed + 7919)
-    batch = _generate(t, prompts, step, s)
+    batch = _generate(t, prompts, step, s, progress=t.cfg.logging.progress and t.ps.rank == 0)
     rewards, _ = _score(t, prompts, batch)
     solved: dict[int, bool] = {}
     for i, r in enumerate(rewards):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
+from grpo_mega import console
 from grpo_mega.config import Config, ConfigError, cli_config
 from grpo_mega.preflight.validate import check_tokenizer_fits, reward_specs, validate
 
@@ -78,7 +79,7 @@ class Trainer:
 
     def say(self, msg: str) -> None:
         if self.ps.rank == 0:
-            print(f"[grpo] {msg}", flush=True)
+            console.write(f"[grpo] {msg}")
 
     def finish(self) -> dict:
         summary = {"eval_accuracy_initial": self.eval_initial, "eval_accuracy_final": self.eval_last,
@@ -173,6 +174,9 @@ def preflight(cfg: Config, world: int) -> Preflight:
 
 def build_trainer(argv=None) -> Trainer:
     cfg = cli_config(argv)
+    # Again here for callers other than ``python -m grpo_mega.train`` and for a YAML
+    # ``verbose``; vLLM reads its level when first imported, which is below.
+    console.quiet_third_party(cfg.logging.verbose)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     pre = preflight(cfg, world)
     tok, dataset, eval_set, ckpt_dir = pre.tokenizer, pre.dataset, pre.eval_set, pre.ckpt_dir
@@ -180,7 +184,7 @@ def build_trainer(argv=None) -> Trainer:
     from grpo_mega.distributed.state import init_parallel
     ps = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.parallel.seed,
                        timeout_minutes=cfg.parallel.timeout_minutes)
-    say = (lambda m: print(f"[grpo] {m}", flush=True)) if ps.rank == 0 else (lambda m: None)
+    say = (lambda m: console.write(f"[grpo] {m}")) if ps.rank == 0 else (lambda m: None)
     say(f"world {ps.world_size}: tp {ps.tp} x pp {ps.pp} x dp {ps.dp} on {ps.device}")
     say(f"data: {len(dataset)} train prompts ({dataset.num_skipped_too_long} skipped as too long), "
         f"{len(eval_set)} eval prompts")
@@ -220,8 +224,6 @@ def build_trainer(argv=None) -> Trainer:
 
     say("starting the vLLM engine (first start takes 10-30 s on CPU)")
     quiet = not cfg.logging.verbose
-    if quiet:  # vLLM reads its level when first imported, which is just below
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from grpo_mega.config import rollout_tp
     from grpo_mega.rollout import EngineConfig, RolloutEngine, SamplingConfig
     from grpo_mega.rollout.layout import engine_block

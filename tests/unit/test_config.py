@@ -60,6 +60,7 @@ def test_wrong_type_in_yaml_names_field_and_file(tmp_path):
     (["--parallel.dp=2"], 1, "parallel.dp=2"),
     (["--algorithm.kl_kind=k9"], 1, "algorithm.kl_kind"),
     (["--rollout.max_model_len=16"], 1, "rollout.max_model_len"),
+    (["--algorithm.logits_chunk_size=-1"], 1, "--algorithm.logits_chunk_size"),
 ])
 def test_impossible_layouts_fail_before_distributed_work(overrides, world, needle):
     """Guards against bad layouts that would otherwise hang in a collective on some rank."""
