@@ -50,6 +50,7 @@ class MegatronDistributedAdamW:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
         from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 
         self.ps, self.cfg = ps, cfg
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -61,14 +62,22 @@ class MegatronDistributedAdamW:
             optimizer="adam", lr=cfg.lr, min_lr=0.0, weight_decay=cfg.weight_decay,
             adam_beta1=cfg.beta1, adam_beta2=cfg.beta2, adam_eps=cfg.eps, clip_grad=cfg.clip_grad,
             bf16=self.mixed, params_dtype=self.params[0].dtype, use_distributed_optimizer=True)
-        # config_overrides={}: weight decay on every parameter, as ParallelAdamW does (megatron's
-        # default would exempt biases and norms).
-        chained = get_megatron_optimizer(mcfg, [self.ddp], config_overrides={})
+        # Weight decay on every parameter, as ParallelAdamW does (megatron's default overrides
+        # would exempt biases and norms). The fp32 parameters of a bf16 model get a param group
+        # of their own (same settings): DistributedOptimizer lists a group's fp32 slices before
+        # its bf16 ones, but model_param_group_index_map counts them in buffer order, so in a
+        # mixed group its per-parameter state lookup (used by the checkpoint gather) is off.
+        overrides = {}
+        if self.mixed:
+            fp32 = ParamPredicate(name="fp32", fn=lambda p: p.dtype == torch.float32)
+            overrides[ParamKey(predicate=fp32)] = {"wd_mult": 1.0}
+        chained = get_megatron_optimizer(mcfg, [self.ddp], config_overrides=overrides)
         if len(chained.chained_optimizers) != 1:
             raise RuntimeError("optimizer.distributed_impl=megatron supports dense models only "
                                f"(got {len(chained.chained_optimizers)} optimizers)")
         self.dopt = chained.chained_optimizers[0]
         self.opt = self.dopt.optimizer  # the inner Adam, over this rank's fp32 slices
+        self._spans = self._world_spans()
         self._full: dict | None = None
 
     @property
@@ -125,14 +134,18 @@ class MegatronDistributedAdamW:
                 for p in group["params"]:
                     self.opt.state[p].setdefault("step", torch.zeros((), dtype=torch.float32))
 
-    def _span(self, p: torch.nn.Parameter) -> tuple:
-        """(buffer index, dtype, offset) of ``p`` in ``get_parameter_state_dp_zero``'s world
-        tensors, which concatenate each bucket's unpadded elements."""
-        g, dtype, k = self.dopt.model_param_gbuf_map[p]
-        buf = self.dopt.buffers[g]
-        start, _, _ = buf.param_index_map[p]
-        before = sum(b.numel_unpadded for b in buf.buckets[:k])
-        return g, dtype, before + start - buf.buckets[k].offset
+    def _world_spans(self) -> dict:
+        """Parameter -> (buffer index, dtype key, offset) in ``get_parameter_state_dp_zero``'s
+        world tensors, which concatenate each bucket's unpadded elements. From the DDP buffers,
+        not ``model_param_gbuf_map``: that one lists only the parameters this rank owns a
+        piece of."""
+        spans = {}
+        for g, buf in enumerate(self.dopt.buffers):
+            (key,) = self.dopt.gbuf_ranges[g].keys()
+            for p, (start, _, k) in buf.param_index_map.items():
+                before = sum(b.numel_unpadded for b in buf.buckets[:k])
+                spans[p] = (g, key, before + start - buf.buckets[k].offset)
+        return spans
 
     @contextlib.contextmanager
     def full_state(self, write_back: bool = False):
@@ -145,11 +158,17 @@ class MegatronDistributedAdamW:
         try:
             yield self
             if write_back:
-                if not self.mixed:
-                    for p in self.params:
-                        g, dtype, o = self._span(p)
-                        self._full[g][dtype]["param"][o:o + p.numel()].copy_(p.detach().reshape(-1))
-                self.dopt.load_parameter_state_from_dp_zero(self._full)
+                with torch.no_grad():  # the fp32 masters are views of parameters
+                    if not self.mixed:
+                        for p in self.params:
+                            g, dtype, o = self._spans[p]
+                            self._full[g][dtype]["param"][o:o + p.numel()].copy_(p.detach().reshape(-1))
+                    # megatron copies every per-slice state key, and the world tensors have no
+                    # "step" (torch's Adam keeps one per slice): set it aside for the copy.
+                    steps = {q: st.pop("step") for q, st in self.opt.state.items() if "step" in st}
+                    self.dopt.load_parameter_state_from_dp_zero(self._full)
+                    for q, step in steps.items():
+                        self.opt.state[q]["step"] = step
         finally:
             self._full = None
 
@@ -158,7 +177,7 @@ class MegatronDistributedAdamW:
         tensors ``full_state`` gathered (only valid inside it)."""
         if self._full is None:
             raise RuntimeError("MegatronDistributedAdamW.state_tensors is only valid inside full_state()")
-        g, dtype, o = self._span(p)
+        g, dtype, o = self._spans[p]
         world = self._full[g][dtype]
         keys = _MOMENTS + (("param",) if self.mixed else ())
         return {("main_param" if k == "param" else k): world[k][o:o + p.numel()].view(p.shape)
