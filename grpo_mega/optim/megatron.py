@@ -62,11 +62,14 @@ class MegatronDistributedAdamW:
             optimizer="adam", lr=cfg.lr, min_lr=0.0, weight_decay=cfg.weight_decay,
             adam_beta1=cfg.beta1, adam_beta2=cfg.beta2, adam_eps=cfg.eps, clip_grad=cfg.clip_grad,
             bf16=self.mixed, params_dtype=self.params[0].dtype, use_distributed_optimizer=True)
-        # Weight decay on every parameter, as ParallelAdamW does (megatron's default overrides
-        # would exempt biases and norms). The fp32 parameters of a bf16 model get a param group
-        # of their own (same settings): DistributedOptimizer lists a group's fp32 slices before
-        # its bf16 ones, but model_param_group_index_map counts them in buffer order, so in a
-        # mixed group its per-parameter state lookup (used by the checkpoint gather) is off.
+        # One param group (plus one for fp32 parameters, below), decayed with
+        # optimizer.weight_decay like ParallelAdamW: megatron's default overrides would split
+        # off biases and norms with wd_mult=0, which only its own OptimizerParamScheduler
+        # applies (the trainer uses a LambdaLR on ``opt``). In a bf16 model the fp32 parameters
+        # get a group of their own with the same settings: DistributedOptimizer lists a group's
+        # fp32 slices before its bf16 ones, but model_param_group_index_map counts them in
+        # buffer order, so in a mixed group its per-parameter state lookup (which the
+        # checkpoint gather uses) picks the wrong slice (megatron-core 0.16.1).
         overrides = {}
         if self.mixed:
             fp32 = ParamPredicate(name="fp32", fn=lambda p: p.dtype == torch.float32)
