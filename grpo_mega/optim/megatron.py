@@ -57,6 +57,10 @@ class MegatronDistributedAdamW:
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
         ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                 overlap_param_gather=False, use_distributed_optimizer=True)
+        if not model.config.calculate_per_token_loss:
+            # Otherwise DDP averages over DP, and our globally normalised loss needs a sum.
+            raise ValueError("MegatronDistributedAdamW needs the model's TransformerConfig to set "
+                             "calculate_per_token_loss=True (grpo_mega.models.build_model does)")
         self.ddp = DistributedDataParallel(model.config, ddp_cfg, model)
         mcfg = McoreOptimizerConfig(
             optimizer="adam", lr=cfg.lr, min_lr=0.0, weight_decay=cfg.weight_decay,
