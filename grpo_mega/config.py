@@ -275,6 +275,11 @@ class OptimizerConfig:
     layout): gradients reduce-scattered, Adam moments and fp32 master weights kept for this
     rank's 1/dp slice only, weights all-gathered after each step. Same updates and
     checkpoints as ``false`` (a checkpoint resumes at any dp with either setting)."""
+    distributed_impl: str = "grpo"
+    """Which ZeRO-1 implementation ``use_distributed_optimizer`` builds: ``grpo`` (the
+    project's ``optim/distributed.py``, CPU and GPU) or ``megatron`` (megatron-core's own
+    ``DistributedDataParallel`` + ``DistributedOptimizer`` behind the same interface,
+    ``optim/megatron.py``; CUDA only, and needs ``use_distributed_optimizer: true``)."""
 
 
 @dataclass

@@ -5,6 +5,8 @@ with megatron). Group many checks into one function per launch.
 
     results = run_ranks(world_size, fn, *args)   # fn(rank, world_size, *args)
 
+``backend="nccl"`` for GPU tests (megatron's CUDA-only collectives need it).
+
 Every rank's return value comes back in rank order; an exception on any rank
 is re-raised here with that rank's traceback, and a rank that hangs is killed
 after ``timeout`` seconds.
@@ -20,7 +22,7 @@ import torch.multiprocessing as mp
 from grpo_mega.distributed.state import free_port
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, backend="gloo"):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
@@ -30,7 +32,7 @@ def _worker(rank, world_size, port, fn, args, queue):
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=300))
         out = fn(rank, world_size, *args)
         queue.put((rank, True, out))
@@ -41,11 +43,11 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float = 600):
+def run_ranks(world_size: int, fn, *args, timeout: float = 600, backend: str = "gloo"):
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend))
              for r in range(world_size)]
     for p in procs:
         p.start()

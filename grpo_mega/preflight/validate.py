@@ -38,8 +38,10 @@ def registry_choices() -> dict:
     from grpo_mega import algorithms as A
     from grpo_mega.models.precision import FP8_FORMATS, FP8_RECIPES
     from grpo_mega.models.rope import ROPE_SCALINGS
+    from grpo_mega.optim.build import DISTRIBUTED_IMPLS
 
     return {
+        ("optimizer", "distributed_impl"): DISTRIBUTED_IMPLS,
         ("model", "rope_scaling"): ROPE_SCALINGS,
         ("model", "fp8"): tuple(FP8_FORMATS),
         ("model", "fp8_recipe"): tuple(FP8_RECIPES),
@@ -118,6 +120,25 @@ def _check_memory_savers(m, p, check_hardware: bool) -> None:
         if not (torch.cuda.is_available() and te_available()):
             raise ConfigError("model.sequence_parallel=true needs the Transformer Engine layers, so a GPU "
                               "with transformer_engine installed (--model.sequence_parallel=false)")
+
+
+def _check_distributed_impl(o, check_hardware: bool) -> None:
+    """``optimizer.distributed_impl=megatron`` is megatron-core's DDP + DistributedOptimizer,
+    which is a ZeRO-1 optimizer only (so it needs the flag that asks for one) and allocates
+    its buffers on CUDA."""
+    if o.distributed_impl != "megatron":
+        return
+    if not o.use_distributed_optimizer:
+        raise ConfigError("optimizer.distributed_impl=megatron selects megatron's distributed optimizer, "
+                          "but optimizer.use_distributed_optimizer=false; set "
+                          "--optimizer.use_distributed_optimizer=true or --optimizer.distributed_impl=grpo")
+    if check_hardware:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("optimizer.distributed_impl=megatron needs a CUDA GPU (megatron's DDP buffers "
+                              "and DistributedOptimizer allocate on CUDA); use "
+                              "--optimizer.distributed_impl=grpo on this machine")
 
 
 def _check_rollout_layout(cfg: Config, world_size: Optional[int]) -> None:
@@ -239,6 +260,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
                           "--algorithm.ref_reset_every=0")
     if o.lr <= 0:
         raise ConfigError(f"optimizer.lr={o.lr} must be > 0 (--optimizer.lr)")
+    _check_distributed_impl(o, check_hardware)
     if r.temperature < 0:
         raise ConfigError(f"rollout.temperature={r.temperature} must be >= 0")
     if not 0 < r.top_p <= 1:

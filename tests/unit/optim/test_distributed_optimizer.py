@@ -42,8 +42,8 @@ def _train(model, opt, ps, steps):
     infos = []
     for step in range(steps):
         g = torch.Generator().manual_seed(100 + step)
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-        mask = torch.ones(BATCH, SEQ)
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(ps.device)
+        mask = torch.ones(BATCH, SEQ, device=ps.device)
         total = float(mask[:, 1:].sum())
         per = BATCH // ps.dp
         rows = slice(ps.dp_rank * per, (ps.dp_rank + 1) * per)
