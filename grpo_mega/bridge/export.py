@@ -40,9 +40,11 @@ def _stage_modules(model, cfg: ModelConfig, ps) -> list[list[tuple[str, torch.Te
     """This stage's parameters as [(canonical name, local tensor)] per megatron module,
     in model order. The last stage's tied copy of the embedding is left out."""
     per = cfg.num_layers // ps.pp
+    model = unwrap_model(model)
+    off = mcore_layout.expert_offset(model, ps)
     groups: dict[str, list] = {}
-    for local_name, p in unwrap_model(model).named_parameters():
-        name = mcore_layout.to_global_name(local_name, ps.pp_rank, per)
+    for local_name, p in model.named_parameters():
+        name = mcore_layout.to_global_name(local_name, ps.pp_rank, per, off)
         if name == "output_layer.weight" and cfg.tie_embeddings:
             continue
         groups.setdefault(mapping.module_of(name), []).append((name, p.detach()))
