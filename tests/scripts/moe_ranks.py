@@ -8,7 +8,9 @@ A tiny Qwen3-MoE (4 experts, top-2, 2 layers) is written by transformers; then:
     the optimizer's gradient reduction (``ParallelAdamW.reduce_grads``) every rank reports
     its logits, the global loss, and its gradients under HF names (experts: only the ones it
     holds), so the test can compare EP2 with EP1 at the same TP and DP;
-  * at TP1/EP1 the logits are also compared with transformers on the same batch.
+  * at TP1/EP1 the logits are also compared with transformers on the same batch;
+  * at TP2 x EP2 and PP2 x EP2 the bridge exports the loaded model in small buckets and
+    every rank reports which HF tensors differ from (or are missing against) the original.
 """
 from __future__ import annotations
 
@@ -22,15 +24,37 @@ import torch
 AUX_COEFF = 1e-2
 LAYOUTS = [(1, 1, AUX_COEFF), (1, 2, AUX_COEFF), (1, 1, 0.0), (2, 1, 0.0), (2, 2, 0.0)]
 GLOBAL_BATCH, SEQ = 8, 12
+EXPORT_LAYOUTS = [(2, 1, 2), (1, 2, 2)]  # (tp, pp, ep)
+SMALL_BUCKET = 64 * 1024
 
 
-def _reinit(tp: int, ep: int):
+def _reinit(tp: int, ep: int, pp: int = 1):
     from megatron.core import parallel_state as mpu
 
     from grpo_mega.distributed.state import init_parallel
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
-    return init_parallel(tp, 1, ep=ep, seed=3)
+    return init_parallel(tp, pp, ep=ep, seed=3)
+
+
+def _export_diff(cfg, ckpt: Path, want: dict, tp: int, pp: int, ep: int) -> list[str]:
+    """Names the bridge got wrong at this layout: missing, extra, duplicated or unequal."""
+    from grpo_mega.bridge.export import export_hf_weights
+    from grpo_mega.checkpoint.convert import load_mcore_weights
+    from grpo_mega.models.gpt import build_model
+
+    ps = _reinit(tp, ep, pp)
+    model = build_model(cfg, ps)
+    load_mcore_weights(model, ckpt, ps, cfg)
+    got, bad = {}, []
+    for name, t in export_hf_weights(model, cfg, ps, bucket_bytes=SMALL_BUCKET):
+        if name in got:
+            bad.append(f"twice: {name}")
+        got[name] = t.clone()
+    bad += [f"missing: {n}" for n in sorted(set(want) - set(got))]
+    bad += [f"extra: {n}" for n in sorted(set(got) - set(want))]
+    bad += [f"differs: {n}" for n in sorted(set(want) & set(got)) if not torch.equal(want[n], got[n])]
+    return bad
 
 
 def _tokens(vocab: int) -> torch.Tensor:
@@ -108,6 +132,9 @@ def _rank_main(rank: int, world: int, root: str) -> dict:
             report["local_experts"] = list(ps.local_experts(cfg.num_experts))
             report["expert_offset"] = layout.expert_offset(model, ps)
         report[f"tp{tp} ep{ep} aux{aux}"] = out
+    original = read_hf_tensors(hf_dir)
+    for tp, pp, ep in EXPORT_LAYOUTS:
+        report[f"export tp{tp} pp{pp} ep{ep}"] = _export_diff(cfg, root / "mcore", original, tp, pp, ep)
     if rank == 0:
         from transformers import AutoModelForCausalLM
 

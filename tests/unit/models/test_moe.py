@@ -184,6 +184,15 @@ def test_expert_parallel_matches_ep1_logits_loss_grads(reports, ref, ep_run):
     assert abs(a[0]["grad_norm"] - b[0]["grad_norm"]) <= EP_TOL * a[0]["grad_norm"]
 
 
+@pytest.mark.parametrize("tp,pp,ep", moe_ranks.EXPORT_LAYOUTS)
+def test_bridge_exports_every_expert_bitwise_at_ep2(reports, tp, pp, ep):
+    """Guards against the weight sync sending only this EP rank's experts (the engine would
+    keep the others stale), sending an expert under its local index, or twice; with PP the
+    other stages' experts must arrive too. Every rank must get the original HF tensors."""
+    assert all(r[f"export tp{tp} pp{pp} ep{ep}"] == [] for r in reports), \
+        [r[f"export tp{tp} pp{pp} ep{ep}"][:5] for r in reports]
+
+
 def test_moe_aux_loss_coeff_reaches_the_gradients(reports):
     """Guards against model.moe_aux_loss_coeff being ignored (load balancing silently off),
     or being scaled by the micro-batch token count as megatron's per-token convention does."""
