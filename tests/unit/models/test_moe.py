@@ -103,6 +103,9 @@ def test_moe_hf_config_round_trips_and_refuses_mixed_dense_layers():
     (["--model.family=qwen3_moe", "--model.num_experts=4", "--model.moe_ffn_hidden_size=16",
       "--model.moe_aux_loss_coeff=-0.1"], 1, "moe_aux_loss_coeff"),
     (["--parallel.ep=2"], 2, "need an MoE family"),
+    (["--model.family=qwen3_moe", "--model.num_experts=4", "--model.moe_ffn_hidden_size=16",
+      "--parallel.ep=2", "--optimizer.use_distributed_optimizer=true", "--data.prompts_per_step=4"], 2,
+     "does not reduce expert grads"),
 ])
 def test_moe_config_errors_name_the_field(overrides, world, needle):
     """Guards against an expert layout that megatron would reject deep inside model
