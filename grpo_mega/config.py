@@ -30,7 +30,8 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     family: str = "qwen2"
-    """Model family: ``llama`` or ``qwen2`` (``qwen3`` adds QK-norm). Picks the HF mapping table."""
+    """Model family: ``llama`` or ``qwen2`` (``qwen3`` adds QK-norm; ``qwen3_moe`` is Qwen3 with
+    mixture-of-experts MLPs in every layer). Picks the HF mapping table."""
     hf_checkpoint: Optional[str] = None
     """HF checkpoint directory: the rollout engine loads it, and its config.json sets the shape."""
     init_checkpoint: Optional[str] = None
@@ -117,6 +118,24 @@ class ModelConfig:
     reference_fp8: bool = False
     """Run the frozen reference model in FP8 too (format and recipe as above); by default
     it runs in ``dtype`` (bf16) without gradients."""
+    num_experts: int = 0
+    """Routed experts per MoE layer (HF ``num_experts``); 0 for a dense model. Needs
+    ``family: qwen3_moe``; every layer is an MoE layer (no dense/sparse interleaving)."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (HF ``num_experts_per_tok``)."""
+    moe_ffn_hidden_size: int = 0
+    """Each expert's SwiGLU intermediate size (HF ``moe_intermediate_size``); must divide by
+    ``parallel.tp`` (experts are TP-sharded like the dense MLP)."""
+    norm_topk_prob: bool = True
+    """Renormalise the top-k routing probabilities to sum to 1 (HF ``norm_topk_prob``).
+    Either way the softmax is over all experts, as in Qwen3-MoE: true is megatron's
+    softmax-after-top-k (equal to softmax over all experts, then renormalised top-k); false
+    is megatron's ``moe_router_pre_softmax``."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the router's load-balancing loss (Switch/GShard ``aux_loss``: num_experts
+    x sum_e fraction_of_tokens_e x mean_prob_e, per micro-batch). Its gradient is added in
+    megatron's backward for every micro-batch on every DP replica, not divided by their
+    number (megatron's per-token-loss convention). 0 turns it off (the usual RL choice)."""
 
 
 @dataclass
@@ -127,6 +146,11 @@ class ParallelConfig:
     """Pipeline-parallel size."""
     dp: int = 0
     """Data-parallel size; 0 means world_size // (tp * pp)."""
+    ep: int = 1
+    """Expert-parallel size (MoE models): each rank of an EP group holds
+    ``model.num_experts / ep`` experts and tokens travel to them by all-to-all. The EP
+    group is carved out of the data-parallel ranks (megatron's layout): dp must divide by
+    ep. Experts are also TP-sharded (expert TP = ``tp``)."""
     micro_batch_size: int = 4
     """Sequences per micro-batch through the pipeline schedule."""
     timeout_minutes: float = 10.0

@@ -17,6 +17,12 @@ What: from any TP x PP x DP layout, every rank (or every stage, with
    stage s broadcasts its buckets over the PP group one at a time (a name/shape
    header, then the tensors). No rank ever holds more than about one bucket plus
    one module's gathered tensors; nobody gathers the whole model.
+4. MoE at EP > 1: within a stage, the attention / router / norm modules are the same on
+   every EP rank and each rank yields them itself; the experts (each EP rank holds a
+   block of them) are broadcast over the EP group in turns, one bucket at a time, in the
+   same header-then-tensors form, so every rank of the stage yields every expert and
+   none holds more than a bucket of other ranks' experts. Step 3 then carries the whole
+   stage to the other stages.
 """
 from __future__ import annotations
 
@@ -40,9 +46,11 @@ def _stage_modules(model, cfg: ModelConfig, ps) -> list[list[tuple[str, torch.Te
     """This stage's parameters as [(canonical name, local tensor)] per megatron module,
     in model order. The last stage's tied copy of the embedding is left out."""
     per = cfg.num_layers // ps.pp
+    model = unwrap_model(model)
+    off = mcore_layout.expert_offset(model, ps)
     groups: dict[str, list] = {}
-    for local_name, p in unwrap_model(model).named_parameters():
-        name = mcore_layout.to_global_name(local_name, ps.pp_rank, per)
+    for local_name, p in model.named_parameters():
+        name = mcore_layout.to_global_name(local_name, ps.pp_rank, per, off)
         if name == "output_layer.weight" and cfg.tie_embeddings:
             continue
         groups.setdefault(mapping.module_of(name), []).append((name, p.detach()))
@@ -66,10 +74,35 @@ def nbytes(pairs) -> int:
     return sum(t.numel() * t.element_size() for _, t in pairs)
 
 
+def _is_expert_module(params) -> bool:
+    return ".local_experts." in params[0][0]
+
+
 def _stage_buckets(model, cfg: ModelConfig, ps, bucket_bytes: int) -> Iterator[Bucket]:
-    """This stage's HF tensors in buckets of about ``bucket_bytes`` (whole modules only)."""
+    """This stage's HF tensors in buckets of about ``bucket_bytes`` (whole modules only),
+    every expert included (broadcast over the EP group when EP > 1)."""
+    modules = _stage_modules(model, cfg, ps)
+    ep = getattr(ps, "ep", 1)
+    if ep == 1:
+        yield from _buckets(modules, cfg, ps, bucket_bytes)
+        return
+    yield from _buckets([m for m in modules if not _is_expert_module(m)], cfg, ps, bucket_bytes)
+    experts = [m for m in modules if _is_expert_module(m)]
+    for owner in range(ep):
+        src = dist.get_global_rank(ps.ep_group, owner)
+        if ps.ep_rank == owner:
+            for bucket in _buckets(experts, cfg, ps, bucket_bytes):
+                _broadcast_bucket(bucket, src, ps.ep_group)
+                yield bucket
+            _broadcast_bucket(None, src, ps.ep_group)  # end of this rank's experts
+        else:
+            while (bucket := _receive_bucket(src, ps.ep_group, ps.device)) is not None:
+                yield bucket
+
+
+def _buckets(modules, cfg: ModelConfig, ps, bucket_bytes: int) -> Iterator[Bucket]:
     bucket, size = [], 0
-    for params in _stage_modules(model, cfg, ps):
+    for params in modules:
         pairs = _gather_module(params, cfg, ps)
         n = nbytes(pairs)
         if bucket and size + n > bucket_bytes:

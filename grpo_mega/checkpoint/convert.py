@@ -69,27 +69,37 @@ HF_SIDE_DIR = "hf"  # config.json, generation_config.json, tokenizer files of th
 # =============================================================================== mcore side
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 # megatron's sharded keys use the Transformer Engine names of the fused norms
 _KEY_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                 "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
 
 
-def checkpoint_key(name: str) -> tuple[str, Optional[int]]:
-    """(megatron sharded key, global layer index or None) of a canonical tensor."""
+def checkpoint_key(name: str) -> tuple[str, tuple[int, ...]]:
+    """(megatron sharded key, indices on its prepended axes) of a canonical tensor: () for
+    a non-layer tensor, (layer,) for a layer's, (layer, expert) for an expert's (megatron's
+    SequentialMLP stacks experts on a second axis: ``decoder.layers.mlp.experts.experts.*``)."""
     m = _LAYER.match(name)
     if not m:
-        return name, None
+        return name, ()
     rest = _KEY_RENAMES.get(m.group(2), m.group(2))
-    return f"decoder.layers.{rest}", int(m.group(1))
+    e = _EXPERT.match(rest)
+    if e:
+        return f"decoder.layers.mlp.experts.experts.{e.group(2)}", (int(m.group(1)), int(e.group(1)))
+    return f"decoder.layers.{rest}", (int(m.group(1)),)
+
+
+def _axis_sizes(cfg: ModelConfig, n: int) -> tuple[int, ...]:
+    """Sizes of the first ``n`` prepended axes: layers, then experts."""
+    return (cfg.num_layers, cfg.num_experts)[:n]
 
 
 def _expected_keys(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Sharded key -> global shape (layers stacked on a leading axis; vocab unpadded)."""
+    """Sharded key -> global shape (layers, experts stacked on leading axes; vocab unpadded)."""
     out = {}
     for name in mapping.canonical_names(cfg):
-        key, layer = checkpoint_key(name)
-        shape = mapping.canonical_shape(name, cfg)
-        out[key] = (cfg.num_layers,) + shape if layer is not None else shape
+        key, axes = checkpoint_key(name)
+        out[key] = _axis_sizes(cfg, len(axes)) + mapping.canonical_shape(name, cfg)
     return out
 
 
@@ -166,12 +176,11 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                                unit="tensor", enabled=bar)
         for i, name in enumerate(tensors):
             t = mapping.hf_to_canonical(name, reader.get, cfg)
-            key, layer = checkpoint_key(name)
-            if layer is None:
-                sharded[name] = ShardedTensor.from_rank_offsets(key, t, replica_id=0)
-            else:
-                sharded[name] = ShardedTensor.from_rank_offsets(
-                    key, t, (0, layer, cfg.num_layers), replica_id=0, prepend_axis_num=1)
+            key, axes = checkpoint_key(name)
+            offsets = [(ax, idx, size) for ax, (idx, size)
+                       in enumerate(zip(axes, _axis_sizes(cfg, len(axes))))]
+            sharded[name] = ShardedTensor.from_rank_offsets(key, t, *offsets, replica_id=0,
+                                                            prepend_axis_num=len(axes))
             if not shown(tensors):
                 _say(progress, f"[hf-to-mcore]{f' rank {rank}' if world > 1 else ''} "
                                f"{i + 1}/{len(mine)} {name} {tuple(t.shape)} {t.dtype}")
@@ -236,22 +245,19 @@ def _load_group(group: list[str], meta: dict, ckpt_dir: Path, cfg: ModelConfig) 
 
     sharded = {}
     for name in group:
-        key, layer = checkpoint_key(name)
+        key, axes = checkpoint_key(name)
         md = meta[key]
         shape = tuple(md.global_shape)
-        if layer is None:
-            sharded[name] = ShardedTensor.from_rank_offsets(key, torch.empty(shape, dtype=md.dtype),
-                                                            replica_id=0)
-        else:
-            # A [1, ...] slice of the stacked tensor (not a prepended axis: torch's legacy
-            # ShardedTensor path would then demand every layer on this rank).
-            sharded[name] = ShardedTensor.from_rank_offsets(
-                key, torch.empty((1,) + shape[1:], dtype=md.dtype), (0, layer, cfg.num_layers),
-                replica_id=0)
+        n = len(axes)
+        # A [1, (1,) ...] slice of the stacked tensor (not prepended axes: torch's legacy
+        # ShardedTensor path would then demand every layer on this rank).
+        offsets = [(ax, idx, size) for ax, (idx, size) in enumerate(zip(axes, shape[:n]))]
+        sharded[name] = ShardedTensor.from_rank_offsets(
+            key, torch.empty((1,) * n + shape[n:], dtype=md.dtype), *offsets, replica_id=0)
     # One layer of a stacked tensor is a partial read, which the access-pattern check
     # (meant for whole-model loads) would reject.
     loaded = dist_checkpointing.load(sharded, str(ckpt_dir), validate_access_integrity=False)
-    return {n: (t[0] if checkpoint_key(n)[1] is not None else t) for n, t in loaded.items()}
+    return {n: t.reshape(t.shape[len(checkpoint_key(n)[1]):]) for n, t in loaded.items()}
 
 
 def mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
@@ -370,9 +376,11 @@ def load_hf_weights(model, hf_dir: str | os.PathLike, ps, model_cfg: Optional[Mo
     reader = HFReader(hf_dir)
     check_hf_checkpoint(reader, cfg)
     per = cfg.num_layers // ps.pp
+    model = unwrap_model(model)
+    off = mcore_layout.expert_offset(model, ps)
     with torch.no_grad():
-        for local_name, p in unwrap_model(model).named_parameters():
-            name = mcore_layout.to_global_name(local_name, ps.pp_rank, per)
+        for local_name, p in model.named_parameters():
+            name = mcore_layout.to_global_name(local_name, ps.pp_rank, per, off)
             if name == "output_layer.weight" and cfg.tie_embeddings:
                 name = "embedding.word_embeddings.weight"  # the last stage's tied copy
             full = mapping.hf_to_canonical(name, reader.get, cfg)

@@ -106,6 +106,32 @@ class _CpuTorch:
         return attr
 
 
+def _patch_moe() -> None:
+    """Two places in megatron's MoE layer:
+
+    * the alltoall token dispatcher copies its split sizes device-to-host on a side CUDA
+      stream (created in __init__) and waits on a CUDA event. On CPU the tensors are already
+      on the host: turn the splits into numpy arrays, as the CUDA path does, with no streams;
+    * the router's gating GEMM tests ``te_general_gemm is not None``, a name only bound when
+      Transformer Engine imports; bind it to None so the torch.mm path runs."""
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    def host_splits(self, point, tokens_per_expert=None):
+        if not self.drop_and_pad and point == self.cuda_dtoh_point:
+            for attr in ("input_splits", "output_splits", "output_splits_tp"):
+                value = getattr(self, attr, None)
+                if torch.is_tensor(value):
+                    setattr(self, attr, value.numpy())
+        return tokens_per_expert
+
+    td.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = "cpu"  # non-None: __init__ makes no stream
+    td.MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = host_splits
+
+
 def _default_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
@@ -147,6 +173,7 @@ def apply() -> bool:
         fused_softmax.get_default_causal_mask = _default_causal_mask
     except ImportError:
         pass
+    _patch_moe()
     _APPLIED = True
     log.info("cpu_compat: megatron-core patched for a CPU-only torch")
     return True

@@ -39,6 +39,19 @@ class ParallelState:
     mp_group: Any
     embedding_group: Any
     device: torch.device
+    ep: int = 1
+    """Expert-parallel size; the EP group is made of DP ranks (same TP and PP ranks)."""
+    ep_rank: int = 0
+    ep_group: Any = None
+    expert_dp_group: Any = None
+    """Ranks holding the same experts (DP / EP of them): expert grads are summed here."""
+    expert_mp_group: Any = None
+    """Expert TP x EP x PP: together these ranks hold every expert of the model once."""
+
+    def local_experts(self, num_experts: int) -> range:
+        """Global indices of the experts this rank holds (megatron: contiguous blocks)."""
+        per = num_experts // self.ep
+        return range(self.ep_rank * per, (self.ep_rank + 1) * per)
 
     @property
     def is_first_stage(self) -> bool:
@@ -60,12 +73,14 @@ class ParallelState:
 
     def describe(self) -> str:
         return (f"rank {self.rank}/{self.world_size} tp {self.tp_rank}/{self.tp} "
-                f"pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp} on {self.device}")
+                f"pp {self.pp_rank}/{self.pp} dp {self.dp_rank}/{self.dp} ep {self.ep_rank}/{self.ep} "
+                f"on {self.device}")
 
 
-def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 1234,
+def init_parallel(tp: int = 1, pp: int = 1, *, ep: int = 1, seed: int = 1234,
                   timeout_minutes: float = 10.0, backend: Optional[str] = None) -> ParallelState:
-    """Initialise torch.distributed (if needed) and megatron's groups for tp x pp x dp.
+    """Initialise torch.distributed (if needed) and megatron's groups for tp x pp x dp,
+    with ``ep`` expert-parallel ranks carved out of each TP/PP position's DP ranks.
 
     Reads RANK/WORLD_SIZE/MASTER_ADDR from the environment (torchrun sets them);
     without them it starts a single-rank world.
@@ -86,6 +101,9 @@ def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 1234,
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by tp*pp={tp * pp} "
                          f"(--parallel.tp/--parallel.pp)")
+    if (world // (tp * pp)) % ep:
+        raise ValueError(f"expert-parallel size ep={ep} does not divide the data-parallel size "
+                         f"{world // (tp * pp)} (--parallel.ep)")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
 
@@ -95,6 +113,7 @@ def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 1234,
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
             distributed_timeout_minutes=int(max(timeout_minutes, 1)),
             create_gloo_process_groups=cuda)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -109,6 +128,10 @@ def init_parallel(tp: int = 1, pp: int = 1, *, seed: int = 1234,
         mp_group=mpu.get_model_parallel_group(),
         embedding_group=mpu.get_embedding_group(check_initialized=False),
         device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+        ep=ep, ep_rank=mpu.get_expert_model_parallel_rank(),
+        ep_group=mpu.get_expert_model_parallel_group(),
+        expert_dp_group=mpu.get_expert_data_parallel_group(),
+        expert_mp_group=mpu.get_expert_tensor_model_pipeline_parallel_group(),
     )
 
 

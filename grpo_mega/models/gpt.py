@@ -1,10 +1,15 @@
-"""Actor and reference megatron-core GPTModels for the Llama / Qwen2 families.
+"""Actor and reference megatron-core GPTModels for the Llama / Qwen2 / Qwen3(-MoE) families.
 
 Both are built from ``ModelConfig`` for this rank's pipeline stage and TP shard:
 RMSNorm, SwiGLU, RoPE (configurable base; linear / llama3 / yarn scaling, see
 ``models.rope``), GQA, optional QKV bias, tied or
 untied embeddings, vocabulary padded for TP. The Transformer Engine layer spec
 is used when TE imports cleanly (and a GPU is present); otherwise the local spec.
+
+``qwen3_moe`` replaces every MLP by megatron's MoE layer (``moe_fields``): a softmax
+top-k router as in HF's Qwen3MoeTopKRouter, the alltoall token dispatcher over the EP
+group, SwiGLU experts run one after another (local spec, CPU) or as one grouped GEMM
+(TE spec, GPU), and the optional load-balancing loss.
 
 Logits come out vocab-parallel (``[b, s, V_pad/tp]``); the loss never gathers
 them. Padded vocabulary columns are masked with ``mask_vocab_padding`` because
@@ -13,6 +18,7 @@ every log-prob away from what vLLM (which has no padding) samples with.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Optional
@@ -72,7 +78,7 @@ def transformer_config(m: ModelConfig, ps: ParallelState, *, use_te: bool, fp8: 
         normalization="RMSNorm", layernorm_epsilon=m.norm_eps,
         gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=m.qkv_bias,
-        qk_layernorm=(m.family == "qwen3"),
+        qk_layernorm=(m.family in ("qwen3", "qwen3_moe")),
         hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=dtype, pipeline_dtype=dtype, bf16=(dtype == torch.bfloat16),
         use_cpu_initialization=cpu,
@@ -87,6 +93,7 @@ def transformer_config(m: ModelConfig, ps: ParallelState, *, use_te: bool, fp8: 
         sequence_parallel=m.sequence_parallel and ps.tp > 1,
         **recompute_fields(m, train),
     )
+    kwargs.update(moe_fields(m, ps, use_te=use_te))
     if fp8 and not use_te:
         raise ValueError(f"model.fp8={m.fp8} needs the Transformer Engine layer spec, which needs TE "
                          f"and a GPU (--model.fp8=none)")
@@ -106,13 +113,73 @@ def recompute_fields(m: ModelConfig, train: bool = True) -> dict:
                 recompute_num_layers=m.recompute_num_layers)
 
 
+def moe_fields(m: ModelConfig, ps: ParallelState, *, use_te: bool) -> dict:
+    """TransformerConfig fields of the MoE layer ({} for a dense model).
+
+    Qwen3-MoE routes with softmax over all experts, top-k, then (norm_topk_prob) divides
+    the k probabilities by their sum. Megatron's softmax-after-top-k (pre_softmax=False)
+    is softmax over the k selected logits, which is the same number: exp(l_i) / sum_k exp(l_j)
+    = p_i / sum_k p_j, and top-k of the logits picks the same experts as top-k of the
+    probabilities. Without renormalisation it is megatron's pre-softmax routing.
+    The router runs in fp32 as HF's does (softmax with dtype=float)."""
+    if not m.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=m.num_experts, moe_router_topk=m.moe_router_topk,
+        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+        moe_router_score_function="softmax", moe_router_pre_softmax=not m.norm_topk_prob,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type="aux_loss" if m.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=use_te,
+        expert_model_parallel_size=ps.ep,
+        # expert TP = TP: experts shard like the dense MLP, so layout.shard rules carry over
+        expert_tensor_parallel_size=ps.tp,
+    )
+
+
+def allow_moe_without_sequence_parallel(model, tp: int) -> None:
+    """Lift megatron's refusal to train an MoELayer at TP > 1 without sequence parallelism.
+
+    The refusal is about speed, not correctness: without SP every TP rank holds the same
+    tokens, the dispatcher gathers all TP copies to the TP-sharded experts and
+    reduce-scatters the partial outputs back, so each copy gets its exact result (the
+    path megatron itself runs in eval mode). The model here keeps activations
+    TP-replicated everywhere (the loss and the pipeline schedule expect [s, b, h]), so
+    experts do tp-fold redundant work at TP > 1 instead. Patched per instance, so the
+    layer keeps its class (megatron passes ``pg_collection`` only to MoELayer itself).
+
+    The gradient of an expert *weight* then sums over all tp copies of every token: tp
+    times the true one (measured: exactly 2x at TP=2). A hook divides it by tp; input
+    and router gradients are already exact."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    def forward_unchecked(layer, hidden_states, *args, **kwargs):
+        training = layer.training  # the layer's own flag only: the router keeps its own
+        layer.training = False
+        try:
+            return MoELayer.forward(layer, hidden_states, *args, **kwargs)
+        finally:
+            layer.training = training
+
+    for mod in model.modules():
+        if isinstance(mod, MoELayer):
+            mod.forward = functools.partial(forward_unchecked, mod)
+            for p in mod.experts.parameters():
+                p.register_hook(functools.partial(torch.div, other=tp))
+
+
 def layer_spec(m: ModelConfig, use_te: bool):
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    qk_norm = m.family == "qwen3"
+    qk_norm = m.family in ("qwen3", "qwen3_moe")
+    moe = dict(num_experts=m.num_experts or None, moe_grouped_gemm=bool(m.num_experts) and use_te)
     if use_te:
-        return specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
-    return specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, **moe)
+    else:
+        spec = specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm", **moe)
+    return spec
 
 
 def build_model(m: ModelConfig, ps: ParallelState, *, frozen: bool = False,
@@ -134,6 +201,17 @@ def build_model(m: ModelConfig, ps: ParallelState, *, frozen: bool = False,
         **gpt_model_rope_kwargs(m),
     )
     finish_rotary(model, m)
+    if m.num_experts:
+        # calculate_per_token_loss makes megatron's router multiply the load-balancing loss
+        # by the micro-batch's token count, expecting finalize_model_grads to divide every
+        # grad by the global token count. Our loss is normalised already and nothing divides
+        # afterwards: keep the router's loss as coeff x aux per micro-batch.
+        from megatron.core.transformer.moe.router import Router
+        for mod in model.modules():
+            if isinstance(mod, Router):
+                mod.calculate_per_token_loss = False
+    if m.num_experts and ps.tp > 1 and not m.sequence_parallel:
+        allow_moe_without_sequence_parallel(model, ps.tp)
     model.to(ps.device)
     model.grpo_vocab_size = m.vocab_size
     if frozen:

@@ -46,8 +46,24 @@ def model_config_from_hf(hf: Mapping, source: str = "config.json", **overrides) 
         dtype="bfloat16" if dtype == "bfloat16" else "float32",
     )
     kwargs.update(rope_fields_from_hf(hf, source))
+    if family == "qwen3_moe":
+        kwargs.update(_moe_fields_from_hf(hf, source))
     kwargs.update(overrides)
     return ModelConfig(**kwargs)
+
+
+def _moe_fields_from_hf(hf: Mapping, source: str) -> dict:
+    """The MoE shape of a Qwen3-MoE config.json. Dense layers mixed in (``mlp_only_layers``,
+    ``decoder_sparse_step`` > 1) are refused: the megatron model here makes every layer MoE."""
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
+        raise MappingError(f"{source}: mlp_only_layers={hf.get('mlp_only_layers')} / decoder_sparse_step="
+                           f"{hf.get('decoder_sparse_step')} mix dense and MoE layers; only all-MoE "
+                           "Qwen3-MoE models are supported")
+    # transformers 5 writes num_local_experts (num_experts is an alias); the hub uses num_experts
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    return dict(num_experts=int(experts), moe_router_topk=int(hf["num_experts_per_tok"]),
+                moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
+                norm_topk_prob=bool(hf.get("norm_topk_prob", False)))
 
 
 def hf_config_from_model_config(cfg: ModelConfig) -> dict:
@@ -68,4 +84,9 @@ def hf_config_from_model_config(cfg: ModelConfig) -> dict:
     if cfg.family != "qwen2":
         out["attention_bias"] = False
         out["head_dim"] = hf_tables.head_dim_of(cfg)
+    if cfg.num_experts:
+        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
+                   moe_intermediate_size=cfg.moe_ffn_hidden_size, norm_topk_prob=cfg.norm_topk_prob,
+                   decoder_sparse_step=1, mlp_only_layers=[],
+                   router_aux_loss_coef=cfg.moe_aux_loss_coeff)
     return out

@@ -14,7 +14,12 @@ Rules, by parameter:
   linear_fc1 weight                [gate; up]: each half split separately (a
                                    naive chunk would hand rank 0 all of gate)
   linear_proj / linear_fc2 weight  split dim 1
-  norms                            replicated
+  norms, MoE router                replicated
+
+MoE experts (``mlp.experts.local_experts.{k}.linear_fc1/fc2``) follow the fc1/fc2 rules
+over TP (expert TP = TP), and over EP each rank holds a contiguous block of experts:
+local index k on EP rank r is global expert r * (num_experts / ep) + k. Canonical names
+carry the global index (``expert_offset`` converts).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -43,22 +49,43 @@ def split_rule(name: str) -> tuple[Optional[int], bool]:
     return None, False
 
 
-def to_global_name(local: str, pp_rank: int, layers_per_stage: int) -> str:
+def _shift_expert(rest: str, by: int) -> str:
+    return _EXPERT.sub(lambda m: f".local_experts.{int(m.group(1)) + by}.", rest, count=1)
+
+
+def expert_offset(model, ps) -> int:
+    """Global index of this rank's first expert (0 for a dense model or EP=1)."""
+    cfg = getattr(model, "config", None)
+    experts = getattr(cfg, "num_moe_experts", None) or 0
+    ep = getattr(ps, "ep", 1)
+    return getattr(ps, "ep_rank", 0) * (experts // ep) if experts else 0
+
+
+def to_global_name(local: str, pp_rank: int, layers_per_stage: int, expert_offset: int = 0) -> str:
     m = _LAYER.match(local)
     if not m:
         return local
-    return f"decoder.layers.{int(m.group(1)) + pp_rank * layers_per_stage}.{m.group(2)}"
+    rest = _shift_expert(m.group(2), expert_offset) if expert_offset else m.group(2)
+    return f"decoder.layers.{int(m.group(1)) + pp_rank * layers_per_stage}.{rest}"
 
 
-def to_local_name(name: str, pp_rank: int, layers_per_stage: int) -> Optional[str]:
-    """Local name on stage ``pp_rank``, or None if that stage does not hold ``name``'s layer."""
+def to_local_name(name: str, pp_rank: int, layers_per_stage: int, expert_offset: int = 0,
+                  local_experts: int = 0) -> Optional[str]:
+    """Local name on stage ``pp_rank`` (and, for an expert tensor, on the EP rank whose
+    experts start at ``expert_offset``), or None if that rank does not hold it."""
     m = _LAYER.match(name)
     if not m:
         return name
     i = int(m.group(1)) - pp_rank * layers_per_stage
-    if 0 <= i < layers_per_stage:
-        return f"decoder.layers.{i}.{m.group(2)}"
-    return None
+    if not 0 <= i < layers_per_stage:
+        return None
+    rest = m.group(2)
+    e = _EXPERT.search(rest)
+    if e is not None and local_experts:
+        if not 0 <= int(e.group(1)) - expert_offset < local_experts:
+            return None
+        rest = _shift_expert(rest, -expert_offset)
+    return f"decoder.layers.{i}.{rest}"
 
 
 def shard(name: str, full: torch.Tensor, tp_rank: int, tp: int,
@@ -109,16 +136,16 @@ def gather(name: str, local: torch.Tensor, tp_group, tp: int,
 
 
 def canonical_names(model, ps, num_layers: int) -> list[str]:
-    per = num_layers // ps.pp
-    return [to_global_name(n, ps.pp_rank, per) for n, _ in model.named_parameters()]
+    per, off = num_layers // ps.pp, expert_offset(model, ps)
+    return [to_global_name(n, ps.pp_rank, per, off) for n, _ in model.named_parameters()]
 
 
 def load_canonical(model, full_sd: dict, ps, num_layers: int, vocab_size: int) -> None:
     """Copy canonical tensors into this rank's local parameters (every local one must exist)."""
-    per = num_layers // ps.pp
+    per, off = num_layers // ps.pp, expert_offset(model, ps)
     with torch.no_grad():
         for local_name, p in model.named_parameters():
-            name = to_global_name(local_name, ps.pp_rank, per)
+            name = to_global_name(local_name, ps.pp_rank, per, off)
             if name == "output_layer.weight" and name not in full_sd:
                 name = "embedding.word_embeddings.weight"  # tied copy on the last stage
             if name not in full_sd:
@@ -131,10 +158,11 @@ def load_canonical(model, full_sd: dict, ps, num_layers: int, vocab_size: int) -
 
 
 def canonical_state_dict(model, ps, num_layers: int, vocab_size: int) -> dict:
-    """This stage's parameters in canonical form (TP-gathered; one stage only)."""
-    per = num_layers // ps.pp
+    """This stage's parameters in canonical form (TP-gathered; one stage only, and at EP > 1
+    only this rank's experts, under their global indices)."""
+    per, off = num_layers // ps.pp, expert_offset(model, ps)
     out = {}
     for local_name, p in model.named_parameters():
-        name = to_global_name(local_name, ps.pp_rank, per)
+        name = to_global_name(local_name, ps.pp_rank, per, off)
         out[name] = gather(name, p.detach(), ps.tp_group, ps.tp, vocab_size)
     return out

@@ -10,7 +10,16 @@ DP-sharded sibling is ``optim/distributed.py``):
   the embedding group so both stages apply the same update;
 * the clip norm counts every parameter exactly once: TP-sharded params are
   summed over TP, TP-replicated ones (norms) count on tp_rank 0 only, the
-  last stage's tied-embedding copy is skipped, and stages sum over PP.
+  last stage's tied-embedding copy is skipped, and stages sum over PP;
+* QK-norm weights (Qwen3) are replicated over TP but each rank applies them to its
+  own heads only, so each TP rank holds a partial grad: they are summed over TP (as
+  megatron's finalize_model_grads does), or the TP replicas would drift apart.
+
+MoE at EP > 1: expert parameters (megatron marks them ``allreduce=False``) are not
+replicated over the whole DP group; each EP rank holds other experts, and the
+alltoall dispatcher already brought every EP rank's tokens to them. Their grads are
+summed over the expert-data-parallel group only (ranks holding the same experts), and
+their squares enter the norm over expert TP x EP x PP instead of TP x PP.
 
 Only the reduction groups from ``ParallelState`` are used; nothing global.
 """
@@ -34,21 +43,37 @@ def counts_once(p: torch.nn.Parameter, ps: ParallelState) -> bool:
     return bool(getattr(p, "tensor_model_parallel", False)) or ps.tp_rank == 0
 
 
+def is_expert_parallel(p: torch.nn.Parameter) -> bool:
+    """An expert weight sharded over EP (megatron sets ``allreduce=False`` when EP > 1)."""
+    return not getattr(p, "allreduce", True)
+
+
+def is_tp_partial_grad(name: str) -> bool:
+    """A TP-replicated weight whose grad each TP rank sees only part of: the per-head
+    q/k RMSNorm, applied to this rank's heads."""
+    return ".q_layernorm." in name or ".k_layernorm." in name
+
+
 def global_grad_norm(params: list[torch.nn.Parameter], ps: ParallelState) -> float:
-    """L2 norm of all gradients of the whole model (all TP shards, all stages), fp64 sums."""
+    """L2 norm of all gradients of the whole model (all TP shards, all stages, all
+    experts), fp64 sums."""
     sq = torch.zeros((), dtype=torch.float64, device=ps.device)
+    expert_sq = torch.zeros((), dtype=torch.float64, device=ps.device)
     for p in params:
         if p.grad is not None and counts_once(p, ps):
-            sq += p.grad.detach().double().pow(2).sum()
+            (expert_sq if is_expert_parallel(p) else sq).add_(p.grad.detach().double().pow(2).sum())
     if ps.world_size > 1:
         # Sum over the model-parallel group (TP x PP) only: DP replicas hold equal grads.
         dist.all_reduce(sq, group=ps.mp_group)
-    return math.sqrt(float(sq))
+        if ps.ep > 1:
+            # Expert grads: over expert TP x EP x PP, which holds every expert once.
+            dist.all_reduce(expert_sq, group=ps.expert_mp_group)
+    return math.sqrt(float(sq + expert_sq))
 
 
 # Parallel attributes megatron sets on parameters, which the reductions above read.
 _PARALLEL_ATTRS = ("shared", "shared_embedding", "tensor_model_parallel", "partition_dim",
-                   "partition_stride", "sequence_parallel")
+                   "partition_stride", "sequence_parallel", "allreduce")
 
 
 class ParallelAdamW:
@@ -65,9 +90,11 @@ class ParallelAdamW:
 
     def __init__(self, model, cfg: OptimizerConfig, ps: ParallelState):
         self.ps, self.cfg = ps, cfg
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
         self.main = [self._master_of(p) for p in self.params] if self.mixed else self.params
+        self.tp_partial = [m for (n, _), m in zip(named, self.main) if is_tp_partial_grad(n)]
         self.opt = torch.optim.AdamW(self.main, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                      eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.embedding_params = [p for p in self.main if getattr(p, "shared_embedding", False)]
@@ -105,11 +132,19 @@ class ParallelAdamW:
         for p in self.main:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if ps.dp > 1:
-            # One flat buffer: one collective instead of one per tensor.
-            flat = torch.cat([p.grad.reshape(-1) for p in self.main])
-            dist.all_reduce(flat, group=ps.dp_group)
-            self._unflatten(flat, self.main)
+        dense = [p for p in self.main if not is_expert_parallel(p)]
+        experts = [p for p in self.main if is_expert_parallel(p)]
+        for params, group, size in ((dense, ps.dp_group, ps.dp),
+                                    (experts, ps.expert_dp_group, ps.dp // ps.ep)):
+            if size > 1 and params:
+                # One flat buffer: one collective instead of one per tensor.
+                flat = torch.cat([p.grad.reshape(-1) for p in params])
+                dist.all_reduce(flat, group=group)
+                self._unflatten(flat, params)
+        if ps.tp > 1 and self.tp_partial:
+            flat = torch.cat([p.grad.reshape(-1) for p in self.tp_partial])
+            dist.all_reduce(flat, group=ps.tp_group)
+            self._unflatten(flat, self.tp_partial)
         if ps.pp > 1 and self.embedding_params:
             for p in self.embedding_params:
                 dist.all_reduce(p.grad, group=ps.embedding_group)

@@ -21,7 +21,7 @@ from grpo_mega.models.precision import check_fp8_here
 # recipe, reward function) are checked against the registries that implement them: see
 # registry_choices() and _check_rewards().
 CHOICES = {
-    ("model", "family"): ("llama", "qwen2", "qwen3"),
+    ("model", "family"): ("llama", "qwen2", "qwen3", "qwen3_moe"),
     ("model", "dtype"): ("float32", "bfloat16"),
     ("model", "fp8_amax_compute_algo"): ("max", "most_recent"),
     ("rollout", "engine_mode"): ("auto", "external_launcher", "child", "inprocess"),
@@ -193,6 +193,45 @@ def check_tokenizer_fits(cfg: Config, tokenizer_size: int, special_ids: dict, wh
                               "(--model.hf_checkpoint)")
 
 
+def _check_moe(cfg: Config) -> None:
+    """MoE fields fit together and with ``parallel.ep`` / ``parallel.tp``."""
+    m, p = cfg.model, cfg.parallel
+    if p.ep < 1:
+        raise ConfigError(f"parallel.ep must be >= 1, got {p.ep} (--parallel.ep)")
+    if m.family != "qwen3_moe":
+        if m.num_experts or p.ep > 1:
+            raise ConfigError(f"model.num_experts={m.num_experts} / parallel.ep={p.ep} need an MoE family; "
+                              f"model.family={m.family!r} is dense (--model.family=qwen3_moe, or "
+                              f"--model.num_experts=0 --parallel.ep=1)")
+        return
+    if m.num_experts < 1:
+        raise ConfigError(f"model.family=qwen3_moe needs model.num_experts >= 1, got {m.num_experts} "
+                          f"(--model.num_experts)")
+    if not 1 <= m.moe_router_topk <= m.num_experts:
+        raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} must be in 1..num_experts="
+                          f"{m.num_experts} (--model.moe_router_topk)")
+    if m.moe_router_topk == 1 and m.norm_topk_prob:
+        # softmax over a single selected logit is constantly 1: the router would get no gradient
+        raise ConfigError("model.moe_router_topk=1 with model.norm_topk_prob=true gives every token "
+                          "weight 1 and the router no gradient; use --model.norm_topk_prob=false")
+    if m.num_experts % p.ep:
+        raise ConfigError(f"model.num_experts={m.num_experts} is not divisible by parallel.ep={p.ep} "
+                          f"(--parallel.ep)")
+    if m.moe_ffn_hidden_size < 1 or m.moe_ffn_hidden_size % p.tp:
+        raise ConfigError(f"model.moe_ffn_hidden_size={m.moe_ffn_hidden_size} must be >= 1 and divisible "
+                          f"by parallel.tp={p.tp} (--model.moe_ffn_hidden_size)")
+    if m.moe_aux_loss_coeff < 0:
+        raise ConfigError(f"model.moe_aux_loss_coeff={m.moe_aux_loss_coeff} must be >= 0 "
+                          f"(--model.moe_aux_loss_coeff)")
+    o = cfg.optimizer
+    if p.ep > 1 and o.use_distributed_optimizer and o.distributed_impl != "megatron":
+        # DistributedAdamW shards every grad over the whole DP group; expert grads must be
+        # reduced over the expert-DP group only (ParallelAdamW does that).
+        raise ConfigError(f"parallel.ep={p.ep} with optimizer.use_distributed_optimizer=true: the grpo "
+                          "distributed optimizer does not reduce expert grads over the expert-DP group yet; "
+                          "use --optimizer.use_distributed_optimizer=false (or --parallel.ep=1)")
+
+
 def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: bool = True) -> Config:
     """Raise ConfigError naming the field and its fix; call before any process group.
 
@@ -229,6 +268,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
                           f"model.num_attention_heads={m.num_attention_heads}; set --model.head_dim")
     if m.ffn_hidden_size % p.tp:
         raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}")
+    _check_moe(cfg)
     _check_rewards(cfg)
     if a.advantage == "process" and a.dynamic_sampling:
         # DAPO's filter judges a group by one reward per sample; a group whose samples
@@ -292,6 +332,10 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
         if p.dp and p.dp * mp != world_size:
             raise ConfigError(f"parallel.dp={p.dp} x tp={p.tp} x pp={p.pp} = {p.dp * mp} != world size "
                               f"{world_size}; set --parallel.dp=0 to derive it")
+        if dp % p.ep:
+            raise ConfigError(f"parallel.ep={p.ep} must divide the data-parallel size {dp} (world "
+                              f"{world_size} / (tp={p.tp} x pp={p.pp})): megatron carves the EP group out "
+                              f"of the DP ranks; change --parallel.ep or launch more ranks")
     else:
         dp = p.dp or 1
     # Batch arithmetic: samples per step split into mini-batches (optimizer steps),

@@ -182,7 +182,7 @@ def build_trainer(argv=None) -> Trainer:
     tok, dataset, eval_set, ckpt_dir = pre.tokenizer, pre.dataset, pre.eval_set, pre.ckpt_dir
 
     from grpo_mega.distributed.state import init_parallel
-    ps = init_parallel(cfg.parallel.tp, cfg.parallel.pp, seed=cfg.parallel.seed,
+    ps = init_parallel(cfg.parallel.tp, cfg.parallel.pp, ep=cfg.parallel.ep, seed=cfg.parallel.seed,
                        timeout_minutes=cfg.parallel.timeout_minutes)
     say = (lambda m: console.write(f"[grpo] {m}")) if ps.rank == 0 else (lambda m: None)
     say(f"world {ps.world_size}: tp {ps.tp} x pp {ps.pp} x dp {ps.dp} on {ps.device}")

@@ -8,7 +8,9 @@ Canonical form (see ``grpo_mega.models.layout``): megatron parameter names with
 global layer indices, unsharded, vocabulary rows = the true vocabulary.
 
 A table is data: a tuple of ``Rule(mcore pattern, hf patterns, kind, when)``.
-``{i}`` in a pattern is the global layer index. ``kind`` names the converter:
+``{i}`` in a pattern is the global layer index, ``{e}`` the global expert index (MoE
+families: megatron's ``local_experts.{e}`` is named with the *global* expert index in
+canonical form; ``models.layout`` maps it to a rank's local index). ``kind`` names the converter:
 
   copy     one tensor, unchanged
   vocab    embedding / output layer: [V(_pad), h] -> [V, h] (megatron padding rows
@@ -35,12 +37,13 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
-from grpo_mega.models.hf import llama, qwen2, qwen3
+from grpo_mega.models.hf import llama, qwen2, qwen3, qwen3_moe
 from grpo_mega.models.hf.rule import Rule
 
 ModelShape = Any
 """Any object with ModelConfig's shape fields (family, vocab_size, hidden_size, num_layers,
-num_attention_heads, num_query_groups, head_dim, ffn_hidden_size, qkv_bias, tie_embeddings):
+num_attention_heads, num_query_groups, head_dim, ffn_hidden_size, qkv_bias, tie_embeddings;
+MoE: num_experts, moe_ffn_hidden_size):
 the tables import only torch, so they take the config by its attributes."""
 
 
@@ -69,10 +72,12 @@ class ShapeMismatchError(MappingError):
 
 
 
-FAMILIES: dict[str, tuple[Rule, ...]] = {m.FAMILY: m.RULES for m in (llama, qwen2, qwen3)}
-HF_MODEL_TYPES = {m.HF_MODEL_TYPE: m.FAMILY for m in (llama, qwen2, qwen3)}
+_MODULES = (llama, qwen2, qwen3, qwen3_moe)
+FAMILIES: dict[str, tuple[Rule, ...]] = {m.FAMILY: m.RULES for m in _MODULES}
+HF_MODEL_TYPES = {m.HF_MODEL_TYPE: m.FAMILY for m in _MODULES}
 """HF ``model_type`` -> family."""
-HF_CLASSES = {m.FAMILY: m.HF_CLASS for m in (llama, qwen2, qwen3)}
+HF_CLASSES = {m.FAMILY: m.HF_CLASS for m in _MODULES}
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 
 
 # --------------------------------------------------------------------------- table lookups
@@ -94,31 +99,38 @@ def _active(rule: Rule, cfg: ModelShape) -> bool:
     if rule.when == "untied":
         return not cfg.tie_embeddings
     if rule.when == "qk_norm":
-        return cfg.family == "qwen3"
+        return cfg.family in QK_NORM_FAMILIES
     return False  # "alias": never part of the canonical set
 
 
 def _pattern(p: str) -> re.Pattern:
-    return re.compile("^" + re.escape(p).replace(r"\{i\}", r"(?P<i>\d+)") + "$")
+    rx = re.escape(p).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
+    return re.compile("^" + rx + "$")
+
+Index = dict
+"""The placeholders a name filled in: {"i": layer, "e": expert}, each only if present."""
 
 
 _PATTERNS: dict[str, re.Pattern] = {}
 
 
-def _match(rules: Sequence[Rule], name: str, side: str) -> Optional[tuple[Rule, Optional[int], int]]:
-    """(rule, layer index or None, position in rule.hf) for a canonical or HF name."""
+def _match(rules: Sequence[Rule], name: str, side: str) -> Optional[tuple[Rule, Index, int]]:
+    """(rule, {"i": layer, "e": expert} as present, position in rule.hf) for a canonical
+    or HF name."""
     for rule in rules:
         pats = (rule.mcore,) if side == "mcore" else rule.hf
         for pos, p in enumerate(pats):
             rx = _PATTERNS.get(p) or _PATTERNS.setdefault(p, _pattern(p))
             m = rx.match(name)
             if m:
-                return rule, (int(m.group("i")) if "i" in rx.groupindex else None), pos
+                return rule, {k: int(v) for k, v in m.groupdict().items()}, pos
     return None
 
 
-def _fill(p: str, i: Optional[int]) -> str:
-    return p.replace("{i}", str(i)) if i is not None else p
+def _fill(p: str, idx: Index) -> str:
+    for k, v in idx.items():
+        p = p.replace("{" + k + "}", str(v))
+    return p
 
 
 def head_dim_of(cfg: ModelShape) -> int:
@@ -130,28 +142,46 @@ def _dims(cfg: ModelShape) -> dict[str, int]:
     return {"V": cfg.vocab_size, "h": cfg.hidden_size, "d": d,
             "A": cfg.num_attention_heads * d,
             "QKV": (cfg.num_attention_heads + 2 * cfg.num_query_groups) * d,
-            "F": cfg.ffn_hidden_size, "2F": 2 * cfg.ffn_hidden_size}
+            "F": cfg.ffn_hidden_size, "2F": 2 * cfg.ffn_hidden_size,
+            "E": _experts(cfg), "Fe": _moe_ffn(cfg), "2Fe": 2 * _moe_ffn(cfg)}
 
 
-def _rule_for(name: str, cfg: ModelShape) -> tuple[Rule, Optional[int]]:
+def _experts(cfg: ModelShape) -> int:
+    return int(getattr(cfg, "num_experts", 0) or 0)
+
+
+def _moe_ffn(cfg: ModelShape) -> int:
+    return int(getattr(cfg, "moe_ffn_hidden_size", 0) or 0)
+
+
+def _rule_for(name: str, cfg: ModelShape) -> tuple[Rule, Index]:
     hit = _match(table(cfg.family), name, "mcore")
     if hit is None:
         raise MappingError(f"no {cfg.family} mapping rule for megatron tensor {name!r}")
-    rule, i, _ = hit
+    rule, idx, _ = hit
+    i, e = idx.get("i"), idx.get("e")
     if rule.when in ("qkv_bias", "qk_norm") and not _active(rule, cfg):
         raise MappingError(f"{name} exists but the model config rules it out "
                            f"({rule.when} is off for {config_summary(cfg)})")
     if i is not None and not 0 <= i < cfg.num_layers:
         raise MappingError(f"{name}: layer {i} is outside the model's {cfg.num_layers} layers")
-    return rule, i
+    if e is not None and not 0 <= e < _experts(cfg):
+        raise MappingError(f"{name}: expert {e} is outside the model's {_experts(cfg)} experts "
+                           f"(model.num_experts)")
+    return rule, idx
 
 
 def canonical_names(cfg: ModelShape) -> list[str]:
-    """Every canonical tensor of the model, layer by layer (local-spec spelling)."""
+    """Every canonical tensor of the model, layer by layer, experts in order within a
+    layer (local-spec spelling)."""
     rules = [r for r in table(cfg.family) if _active(r, cfg)]
     names = [r.mcore for r in rules if "{i}" not in r.mcore and r.mcore.startswith("embedding")]
     for i in range(cfg.num_layers):
-        names += [_fill(r.mcore, i) for r in rules if "{i}" in r.mcore]
+        for r in rules:
+            if "{i}" not in r.mcore:
+                continue
+            experts = range(_experts(cfg)) if "{e}" in r.mcore else (None,)
+            names += [_fill(r.mcore, {"i": i} if e is None else {"i": i, "e": e}) for e in experts]
     names += [r.mcore for r in rules if "{i}" not in r.mcore and not r.mcore.startswith("embedding")]
     return names
 
@@ -164,10 +194,10 @@ def canonical_shape(name: str, cfg: ModelShape) -> tuple[int, ...]:
 
 def hf_names_for(name: str, cfg: ModelShape) -> list[str]:
     """HF tensors canonical ``name`` is made of ([] for a tied output layer)."""
-    rule, i = _rule_for(name, cfg)
+    rule, idx = _rule_for(name, cfg)
     if rule.mcore == "output_layer.weight" and cfg.tie_embeddings:
         return []
-    return [_fill(p, i) for p in rule.hf]
+    return [_fill(p, idx) for p in rule.hf]
 
 
 def hf_shapes(name: str, cfg: ModelShape) -> list[tuple[int, ...]]:
@@ -257,7 +287,7 @@ def canonical_to_hf(name: str, tensor: torch.Tensor, model_cfg: ModelShape
     ``tensor`` is the full (TP-gathered) tensor; vocabulary tensors may still
     carry megatron's padding rows. Outputs may be views of ``tensor``.
     """
-    rule, i = _rule_for(name, model_cfg)
+    rule, idx = _rule_for(name, model_cfg)
     if rule.mcore == "output_layer.weight" and model_cfg.tie_embeddings:
         return []  # HF ties lm_head to embed_tokens; the embedding is exported once
     want, got = canonical_shape(name, model_cfg), tuple(tensor.shape)
@@ -266,7 +296,7 @@ def canonical_to_hf(name: str, tensor: torch.Tensor, model_cfg: ModelShape
     if got != want:
         raise ShapeMismatchError(f"{name}: tensor shape {tuple(tensor.shape)} != shape {want} "
                                  f"implied by the model config ({config_summary(model_cfg)})")
-    return list(zip([_fill(p, i) for p in rule.hf], _to_hf(rule, tensor, model_cfg)))
+    return list(zip([_fill(p, idx) for p in rule.hf], _to_hf(rule, tensor, model_cfg)))
 
 
 TensorSource = Union[Sequence[torch.Tensor], Mapping[str, torch.Tensor], Callable[[str], torch.Tensor]]
@@ -315,4 +345,5 @@ def iter_canonical_from_hf(get: Callable[[str], torch.Tensor], model_cfg: ModelS
 def config_summary(cfg: ModelShape) -> str:
     return (f"family={cfg.family} vocab_size={cfg.vocab_size} hidden_size={cfg.hidden_size} "
             f"heads={cfg.num_attention_heads} groups={cfg.num_query_groups} head_dim={head_dim_of(cfg)} "
-            f"ffn={cfg.ffn_hidden_size} layers={cfg.num_layers}")
+            f"ffn={cfg.ffn_hidden_size} layers={cfg.num_layers}"
+            + (f" experts={_experts(cfg)} moe_ffn={_moe_ffn(cfg)}" if _experts(cfg) else ""))
