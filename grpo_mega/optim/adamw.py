@@ -48,10 +48,12 @@ def is_expert_parallel(p: torch.nn.Parameter) -> bool:
     return not getattr(p, "allreduce", True)
 
 
-def is_tp_partial_grad(name: str) -> bool:
+def is_tp_partial_grad(name: str, p: torch.nn.Parameter | None = None) -> bool:
     """A TP-replicated weight whose grad each TP rank sees only part of: the per-head
-    q/k RMSNorm, applied to this rank's heads."""
-    return ".q_layernorm." in name or ".k_layernorm." in name
+    q/k RMSNorm, applied to this rank's heads, and under sequence parallelism the norms
+    (megatron marks them ``sequence_parallel``), applied to this rank's sequence shard."""
+    return (".q_layernorm." in name or ".k_layernorm." in name
+            or bool(getattr(p, "sequence_parallel", False)))
 
 
 def global_grad_norm(params: list[torch.nn.Parameter], ps: ParallelState) -> float:
@@ -94,7 +96,7 @@ class ParallelAdamW:
         self.params = [p for _, p in named]
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
         self.main = [self._master_of(p) for p in self.params] if self.mixed else self.params
-        self.tp_partial = [m for (n, _), m in zip(named, self.main) if is_tp_partial_grad(n)]
+        self.tp_partial = [m for (n, p), m in zip(named, self.main) if is_tp_partial_grad(n, p)]
         self.opt = torch.optim.AdamW(self.main, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                                      eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.embedding_params = [p for p in self.main if getattr(p, "shared_embedding", False)]

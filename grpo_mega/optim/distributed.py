@@ -11,8 +11,9 @@ allocate on CUDA (PLATFORM_NOTES), so this one is plain torch and runs on gloo t
 * each micro-batch's gradient is added into a flat fp32 buffer (``grad_buf``) by a
   post-accumulate-grad hook (megatron's main grads), so bf16 micro-batch sums do not
   round;
-* ``reduce_grads``: tied-embedding grads are summed over the embedding group on the
-  full buffer (the two stages' flat layouts differ, so it cannot wait for the slices),
+* ``reduce_grads``: tied-embedding grads are summed over the embedding group, and the
+  grads each TP rank holds only part of (QK-norms; norms under sequence parallelism) over
+  TP, on the full buffer (the two stages' flat layouts differ, so it cannot wait for the slices),
   then ``reduce_scatter_tensor`` over DP leaves each rank the DP-sum of its slice;
 * the clip norm sums squares over the owned slice (each parameter counted once, as in
   ``global_grad_norm``), then over DP and over the model-parallel group;
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from grpo_mega.config import OptimizerConfig
 from grpo_mega.distributed.state import ParallelState
 from grpo_mega.faults import fault_point
-from grpo_mega.optim.adamw import counts_once
+from grpo_mega.optim.adamw import counts_once, is_tp_partial_grad
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -52,7 +53,7 @@ def shard_bounds(numel: int, dp: int, dp_rank: int) -> tuple[int, int, int]:
 class _Bucket:
     """The parameters of one dtype as one padded flat buffer, and this rank's slice of it."""
 
-    def __init__(self, params: list, ps: ParallelState):
+    def __init__(self, params: list, ps: ParallelState, tp_partial: frozenset = frozenset()):
         self.params, self.dtype = params, params[0].dtype
         self.offsets, off = [], 0
         for p in params:
@@ -77,6 +78,8 @@ class _Bucket:
                 self.norm_spans.append((a - self.lo, b - self.lo))
         self.embedding = [(o, p.numel()) for p, o in zip(params, self.offsets)
                           if getattr(p, "shared_embedding", False)]
+        # TP-replicated weights whose grads are partial per TP rank (``is_tp_partial_grad``).
+        self.tp_partial = [(o, p.numel()) for p, o in zip(params, self.offsets) if id(p) in tp_partial]
 
     def _into_grad_buf(self, offset: int):
         def hook(param):
@@ -89,6 +92,9 @@ class _Bucket:
         if ps.pp > 1:
             for o, n in self.embedding:
                 dist.all_reduce(self.grad_buf[o:o + n], group=ps.embedding_group)
+        if ps.tp > 1:
+            for o, n in self.tp_partial:
+                dist.all_reduce(self.grad_buf[o:o + n], group=ps.tp_group)
         if ps.dp > 1:
             # Summed, not averaged: the loss is already normalised by the global token count.
             out = torch.empty(self.shard, dtype=torch.float32, device=self.grad_buf.device)
@@ -113,11 +119,13 @@ class DistributedAdamW:
 
     def __init__(self, model, cfg: OptimizerConfig, ps: ParallelState):
         self.ps, self.cfg = ps, cfg
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        partial = frozenset(id(p) for n, p in named if is_tp_partial_grad(n, p))
         by_dtype: dict = {}
         for p in self.params:
             by_dtype.setdefault(p.dtype, []).append(p)
-        self.buckets = [_Bucket(ps_, ps) for ps_ in by_dtype.values()]
+        self.buckets = [_Bucket(ps_, ps, partial) for ps_ in by_dtype.values()]
         # Like ParallelAdamW: a model with any low-precision weight checkpoints fp32 masters.
         self.mixed = any(dt != torch.float32 for dt in by_dtype)
         self._where = {id(p): (b, o) for b in self.buckets for p, o in zip(b.params, b.offsets)}

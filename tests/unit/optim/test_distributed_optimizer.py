@@ -19,9 +19,11 @@ BATCH, SEQ, VOCAB, STEPS = 8, 9, 300, 3
 
 def _mcfg(dtype="float32"):
     from grpo_mega.config import ModelConfig
-    return ModelConfig(family="qwen2", vocab_size=VOCAB, hidden_size=64, num_layers=2,
+    # Qwen3: its per-head QK-norms are TP-replicated with partial grads per TP rank, which
+    # both optimizers must sum over TP.
+    return ModelConfig(family="qwen3", vocab_size=VOCAB, hidden_size=64, num_layers=2,
                        num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
-                       qkv_bias=True, tie_embeddings=True, make_vocab_size_divisible_by=16,
+                       qkv_bias=False, tie_embeddings=True, make_vocab_size_divisible_by=16,
                        dtype=dtype)
 
 
