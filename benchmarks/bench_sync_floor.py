@@ -32,20 +32,10 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_weight_sync as W  # noqa: E402  (sets the CPU engine's environment, puts REPO on sys.path)
-
-
-def _median(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -109,13 +99,13 @@ def main(argv=None) -> int:
     stats = []
     r = args.repeats
     res = {
-        "floor": _median(floor, r),
-        "export": _median(export, r),
-        "probes": _median(probes, r),
-        "verify": _median(lambda: verify_engine(engine, probe_set, bridge.verify_atol), r),
-        "file transport": _median(file_transport, r),
-        "vllm reload": _median(lambda: [engine.update_weights(b) for b in buckets], r),
-        "sync": _median(lambda: stats.append(bridge.sync()), r),
+        "floor": W._median_time(floor, r),
+        "export": W._median_time(export, r),
+        "probes": W._median_time(probes, r),
+        "verify": W._median_time(lambda: verify_engine(engine, probe_set, bridge.verify_atol), r),
+        "file transport": W._median_time(file_transport, r),
+        "vllm reload": W._median_time(lambda: [engine.update_weights(b) for b in buckets], r),
+        "sync": W._median_time(lambda: stats.append(bridge.sync()), r),
     }
     engine.shutdown()
     ours = res["export"] + res["probes"] + res["verify"]

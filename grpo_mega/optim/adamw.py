@@ -56,6 +56,14 @@ def is_tp_partial_grad(name: str, p: torch.nn.Parameter | None = None) -> bool:
             or bool(getattr(p, "sequence_parallel", False)))
 
 
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """The factor global-norm clipping scales every gradient by (1.0: no clipping, when
+    ``max_norm`` <= 0 or the norm is within it)."""
+    if max_norm > 0 and norm > max_norm:
+        return max_norm / (norm + 1e-6)
+    return 1.0
+
+
 def global_grad_norm(params: list[torch.nn.Parameter], ps: ParallelState) -> float:
     """L2 norm of all gradients of the whole model (all TP shards, all stages, all
     experts), fp64 sums."""
@@ -170,9 +178,8 @@ class ParallelAdamW:
         if not math.isfinite(norm):
             self.zero_grad()
             return {"grad_norm": norm, "clip_coef": 0.0, "skipped": True}
-        coef = 1.0
-        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
-            coef = self.cfg.clip_grad / (norm + 1e-6)
+        coef = clip_coefficient(norm, self.cfg.clip_grad)
+        if coef != 1.0:
             for p in self.main:
                 p.grad.mul_(coef)
         self.opt.step()

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from grpo_mega.config import OptimizerConfig
 from grpo_mega.distributed.state import ParallelState
 from grpo_mega.faults import fault_point
-from grpo_mega.optim.adamw import counts_once, is_tp_partial_grad
+from grpo_mega.optim.adamw import clip_coefficient, counts_once, is_tp_partial_grad
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -181,9 +181,8 @@ class DistributedAdamW:
         if not math.isfinite(norm):
             self.zero_grad()
             return {"grad_norm": norm, "clip_coef": 0.0, "skipped": True}
-        coef = 1.0
-        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
-            coef = self.cfg.clip_grad / (norm + 1e-6)
+        coef = clip_coefficient(norm, self.cfg.clip_grad)
+        if coef != 1.0:
             for b in self.buckets:
                 b.master.grad.mul_(coef)
         self.opt.step()
