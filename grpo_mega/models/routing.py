@@ -111,6 +111,12 @@ def replaying(model, routed: Tensor) -> Iterator[None]:
 
     found = _replays(model)
     rows = to_router_rows(routed)
+    mine = [layer for layer, _ in found]
+    # one host sync per micro-batch; a -1 left in would fail deep inside the router (a
+    # device-side assert on GPU)
+    if mine and bool((rows[mine] < 0).any()):
+        raise RuntimeError(f"routing replay: layers {mine} hold unrecorded positions (-1) in this "
+                           "micro-batch; the old-policy pass must record them first")
     for layer, rr in found:
         rr.set_target_indices(rows[layer])
         rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
