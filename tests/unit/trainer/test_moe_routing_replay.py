@@ -166,6 +166,6 @@ def test_moe_old_vs_update_logprob_gap_is_reported(reports, capsys):
         flips = sum(_flips(r[f"{layout} off"]) for r in reports)
         assert all(g > 0 for g in gaps.values()), gaps
         lines.append(f"{layout}: gap off {gaps['off']:.5f}, record-in-trainer {gaps['record-in-trainer']:.5f}, "
-                     f"flips without replay {flips}")
+                     f"flips without replay {flips} (summed over ranks; TP ranks repeat)")
     with capsys.disabled():
         print("\n" + "\n".join(lines))
