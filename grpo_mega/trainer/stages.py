@@ -227,6 +227,8 @@ class UpdatePlan:
 
     minis: list[list[TrainingBatch]]
     off_policy: bool
+    replay_routing: bool = False
+    """The update forwards replay the MoE routing recorded in the micro-batches."""
 
     @property
     def flat(self) -> list[TrainingBatch]:
@@ -262,23 +264,29 @@ def logprobs(t: Trainer, batch: TrainingBatch) -> UpdatePlan:
     """Reference (KL) and, when the update goes off-policy, old-policy log-probs, written
     into ``batch``. With one PPO epoch, one mini-batch and no TIS the old log-probs equal
     the current ones at update time, so that forward is skipped; with ``kl_kind: full``
-    the reference runs inside the update instead (see ``update``)."""
+    the reference runs inside the update instead (see ``update``). With
+    ``algorithm.routing_replay: record-in-trainer`` the old-policy pass also records the
+    policy's MoE routing into ``batch.routed_experts`` for the update to replay."""
     cfg, ps, algo = t.cfg, t.ps, t.cfg.algorithm
     per_rank_mini = (cfg.data.mini_batch_size or cfg.data.prompts_per_step * cfg.rollout.n) // ps.dp
     off_policy = algo.ppo_epochs > 1 or len(batch) > per_rank_mini or algo.tis_cap is not None
     ref_logprobs = t.ref is not None and not _exact_kl(t)
+    record = off_policy and algo.routing_replay == "record-in-trainer"
     if ref_logprobs:
         batch.ref_logp = batch.empty_logp()
     if off_policy:
         batch.old_logp = batch.empty_logp()
+    if record:
+        batch.routed_experts = batch.empty_routing(cfg.model.num_layers, cfg.model.moe_router_topk)
     # Slice after allocating, so the micro-batch views alias the buffers filled below.
-    plan = UpdatePlan([m.split(cfg.parallel.micro_batch_size) for m in batch.split(per_rank_mini)], off_policy)
+    plan = UpdatePlan([m.split(cfg.parallel.micro_batch_size) for m in batch.split(per_rank_mini)], off_policy,
+                      replay_routing=record)
     kw = _kernel_kw(t)
     if ref_logprobs:
         with _reference_on_device(t):
             compute_logprobs(t.ref, plan.flat, ps, key="ref_logp", **kw)
     if off_policy:
-        compute_logprobs(t.model, plan.flat, ps, key="old_logp", **kw)
+        compute_logprobs(t.model, plan.flat, ps, key="old_logp", record_routing=record, **kw)
     return plan
 
 
@@ -287,7 +295,8 @@ def logprobs(t: Trainer, batch: TrainingBatch) -> UpdatePlan:
 def update(t: Trainer, plan: UpdatePlan) -> dict[str, float]:
     """ppo_epochs x mini-batches of clipped surrogate + KL, one optimizer step each; the
     last step's metrics, as floats (the step's one host sync of the metrics). With
-    ``kl_kind: full`` the reference runs next to the policy on every micro-batch."""
+    ``kl_kind: full`` the reference runs next to the policy on every micro-batch. Routing
+    recorded by ``logprobs`` is replayed in every update forward."""
     metrics: dict = {}
     exact = _exact_kl(t)
     with _reference_on_device(t) if exact else contextlib.nullcontext():
@@ -296,7 +305,8 @@ def update(t: Trainer, plan: UpdatePlan) -> dict[str, float]:
                 metrics = update_policy(t.model, t.optimizer, micro, t.ps, t.cfg.algorithm,
                                         max_len=t.cfg.rollout.max_new_tokens,
                                         reuse_current_as_old=not plan.off_policy,
-                                        reference=t.ref if exact else None, **_kernel_kw(t))
+                                        reference=t.ref if exact else None, replay_routing=plan.replay_routing,
+                                        **_kernel_kw(t))
                 if not metrics["skipped"]:  # a step skipped for a non-finite gradient norm
                     t.scheduler.step()      # must not move the learning-rate schedule either
     return metrics_to_floats(metrics)

@@ -203,6 +203,9 @@ def build_trainer(argv=None) -> Trainer:
         else:
             convert.load_hf_weights(m, cfg.model.hf_checkpoint, ps, cfg.model)
 
+    if cfg.algorithm.routing_replay != "off":
+        from grpo_mega.models.routing import install_router_replay
+        install_router_replay(model)  # the policy's routers only: the reference routes itself
     if ref is not None and cfg.checkpoint.offload_reference:
         from grpo_mega.models import offload
         offload(ref, torch.device("cpu"))

@@ -1,0 +1,142 @@
+"""One 2-rank gloo launch for MoE routing replay (tests/unit/trainer/test_moe_routing_replay.py).
+
+A tiny Qwen3-MoE (4 experts, top-2, 2 layers) written by transformers is loaded at each
+(tp, pp, ep) of LAYOUTS and runs the trainer's real ``stages.logprobs`` and
+``stages.update`` on a fixed global batch of 8 sequences of mixed lengths, in two
+mini-batches (so the old-policy pass runs, and mini-batch 2's update forward sees weights
+that one optimizer step has changed), twice: ``algorithm.routing_replay`` off and
+``record-in-trainer``. A forward hook on every megatron ``Router`` observes, independently
+of ``grpo_mega.models.routing``, which experts each forward actually used (the routing
+map's True columns, rows in the router's sequence-major order). Each rank reports, per
+mode, the observed routing of each pass per micro-batch, the recorded
+``batch.routed_experts``, and the update's mean |logp - old_logp| on mini-batch 2 (the
+batch's rollout log-probs are set to the old-policy ones, so ``rollout_logp_gap`` measures it).
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (1, 2, 1)]  # (tp, pp, ep) at world 2
+GLOBAL, MINI, MICRO = 8, 4, 2
+LR = 3e-3  # large, so that one step flips some tokens' experts
+
+
+def global_batch_lists(vocab: int):
+    g = torch.Generator().manual_seed(17)
+    prompts, responses, adv = [], [], []
+    for i in range(GLOBAL):
+        p, r = 3 + i % 4, 2 + (5 * i) % 7
+        prompts.append(torch.randint(3, vocab, (p,), generator=g).tolist())
+        responses.append(torch.randint(3, vocab, (r,), generator=g).tolist())
+        adv.append(1.0 if i % 3 else -1.0)
+    return prompts, responses, adv
+
+
+def _observe(model, log: list):
+    """Hooks appending (global layer, [rows, k] sorted expert ids) per router call."""
+    from grpo_mega.models.routing import routers
+
+    def hook(layer, _mod, _inp, out):
+        routing_map = out[1]
+        k = int(routing_map.sum(1).max())
+        ids = torch.nonzero(routing_map)[:, 1].reshape(-1, k)  # row-major: sorted per row
+        log.append((layer, ids.clone()))
+    return [r.register_forward_hook(lambda m, i, o, layer=layer: hook(layer, m, i, o))
+            for layer, r in routers(model)]
+
+
+def _per_micro(log: list, shapes: list[tuple[int, int]]) -> list[dict]:
+    """Split a pass's hook log into micro-batches: {layer: [b, s, k]} each."""
+    from collections import defaultdict
+    by_layer = defaultdict(list)
+    for layer, ids in log:
+        by_layer[layer].append(ids)
+    out = []
+    for j, (b, s) in enumerate(shapes):
+        out.append({layer: calls[j].reshape(s, b, -1).transpose(0, 1).contiguous()
+                    for layer, calls in by_layer.items()})
+    return out
+
+
+def _run(root: Path, tp: int, pp: int, ep: int, mode: str) -> dict:
+    from megatron.core import parallel_state as mpu
+
+    from grpo_mega.checkpoint.convert import load_hf_weights
+    from grpo_mega.config import load_config
+    from grpo_mega.distributed.state import init_parallel
+    from grpo_mega.models.gpt import build_model
+    from grpo_mega.models.hf_config import model_config_from_hf
+    from grpo_mega.models.routing import install_router_replay
+    from grpo_mega.optim import build_optimizer
+    from grpo_mega.trainer import stages
+    from grpo_mega.trainer.batch import TrainingBatch
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    ps = init_parallel(tp, pp, ep=ep, seed=3)
+    cfg = load_config(None, [f"--algorithm.routing_replay={mode}", "--algorithm.kl_coef=0",
+                             f"--data.prompts_per_step={GLOBAL}", "--rollout.n=1",
+                             f"--data.mini_batch_size={MINI}", f"--parallel.micro_batch_size={MICRO}",
+                             f"--optimizer.lr={LR}"])
+    cfg.model = model_config_from_hf(json.loads((root / "hf" / "config.json").read_text()))
+    model = build_model(cfg.model, ps)
+    load_hf_weights(model, root / "hf", ps, cfg.model)
+    if mode != "off":
+        install_router_replay(model)
+    opt = build_optimizer(model, cfg.optimizer, ps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt.opt, lambda s: 1.0)
+    t = SimpleNamespace(cfg=cfg, ps=ps, model=model, ref=None, temperature=1.0, optimizer=opt, scheduler=sched)
+
+    prompts, responses, adv = global_batch_lists(cfg.model.vocab_size)
+    rows = slice(ps.dp_rank * GLOBAL // ps.dp, (ps.dp_rank + 1) * GLOBAL // ps.dp)
+    batch = TrainingBatch.pack(prompts[rows], responses[rows], [[0.0] * len(r) for r in responses[rows]],
+                               adv[rows], pad_id=0)
+    log: list = []
+    handles = _observe(model, log)
+    plan = stages.logprobs(t, batch)
+    shapes = [tuple(mb.tokens.shape) for mb in plan.flat]
+    old_seen = _per_micro(log, shapes)
+    log.clear()
+    if ps.is_last_stage:
+        batch.rollout_logp.copy_(batch.old_logp)  # rollout_logp_gap then measures |logp - old_logp|
+    metrics = stages.update(t, plan)
+    update_seen = _per_micro(log, shapes)
+    for h in handles:
+        h.remove()
+    return {"dp_rank": ps.dp_rank, "dp": ps.dp, "pp_rank": ps.pp_rank, "shapes": shapes,
+            "micro_rows": [(mb_start, len(mb)) for mb_start, mb in _row_starts(plan)],
+            "old_seen": old_seen, "update_seen": update_seen,
+            "routed": None if batch.routed_experts is None else batch.routed_experts.clone(),
+            "replayed_flag": plan.replay_routing, "gap_mb2": float(metrics.get("rollout_logp_gap", 0.0)),
+            "is_last_stage": ps.is_last_stage}
+
+
+def _row_starts(plan):
+    start = 0
+    for mb in plan.flat:
+        yield start, mb
+        start += len(mb)
+
+
+def _rank_main(rank: int, world: int, root: str) -> dict:
+    from tests.scripts.bridge_fixtures import write_hf_checkpoint
+
+    root = Path(root)
+    if rank == 0:
+        write_hf_checkpoint(root / "hf", "qwen3_moe", tie=False, seed=5, hidden_size=64,
+                            max_position_embeddings=64)
+    torch.distributed.barrier()
+    return {f"tp{tp} pp{pp} ep{ep} {mode}": _run(root, tp, pp, ep, mode)
+            for tp, pp, ep in LAYOUTS for mode in ("off", "record-in-trainer")}
+
+
+def launch() -> list[dict]:
+    from tests.distributed import run_ranks
+
+    with tempfile.TemporaryDirectory(prefix="moe_replay_") as root:
+        return run_ranks(2, _rank_main, root, timeout=900)

@@ -1,0 +1,171 @@
+"""MoE routing replay (``algorithm.routing_replay``): config checks, the batch's routing
+layout, and one 2-rank launch (tests/scripts/moe_replay_ranks.py) running the trainer's
+real ``stages.logprobs`` / ``stages.update`` on a tiny Qwen3-MoE at TP1, EP2, TP2 and PP2,
+with the experts each forward used observed by hooks on megatron's routers.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/trainer/test_moe_routing_replay.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from grpo_mega.config import ConfigError, load_config
+from grpo_mega.models.routing import from_router_rows, to_router_rows
+from grpo_mega.preflight.validate import validate
+from grpo_mega.trainer.batch import TrainingBatch
+from tests.scripts import moe_replay_ranks as M
+
+MOE = ["--model.family=qwen3_moe", "--model.num_experts=4", "--model.moe_ffn_hidden_size=16"]
+
+
+# ------------------------------------------------------------------------------ single process
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["--algorithm.routing_replay=replay", *MOE], "Model Runner V2 requires Triton"),
+    (["--algorithm.routing_replay=record-in-trainer"], "has no experts"),
+    (["--algorithm.routing_replay=record-in-trainer", "--model.recompute=full", *MOE], "recompute=full"),
+    (["--algorithm.routing_replay=R2", *MOE], "is not one of"),
+])
+def test_moe_routing_replay_config_errors_name_the_field(overrides, needle):
+    """Guards against accepting a routing replay the code cannot do: the engine's routing
+    (vLLM 0.32 on CPU returns none), replay on a dense model, or a recomputed backward that
+    would route anew; the error names the field and its flag."""
+    with pytest.raises(ConfigError, match=needle):
+        validate(load_config(None, overrides), 1, check_hardware=False)
+
+
+def test_moe_record_in_trainer_validates_for_an_moe_model():
+    """Guards against the checks refusing the supported mode at TP2 x EP2."""
+    validate(load_config(None, ["--algorithm.routing_replay=record-in-trainer", *MOE, "--parallel.ep=2",
+                                "--parallel.tp=2", "--data.prompts_per_step=4"]), 4, check_hardware=False)
+
+
+def test_expert_rows_are_sequence_major_like_megatrons_router():
+    """Guards against handing a router its targets in batch-major order (megatron flattens
+    [s, b, h] activations: row t * b + i is token t of sequence i) or with layers swapped."""
+    b, s, n_layers, k = 3, 5, 2, 2
+    routed = torch.zeros(b, s, n_layers, k, dtype=torch.int16)
+    for i in range(b):
+        for t in range(s):
+            for layer in range(n_layers):
+                routed[i, t, layer] = torch.tensor([100 * layer + 10 * i + t, 7])
+    rows = to_router_rows(routed)
+    assert rows.shape == (n_layers, s * b, k) and rows.dtype == torch.long
+    assert rows[1, 4 * b + 2, 0] == 100 + 20 + 4
+    assert torch.equal(from_router_rows(rows[1], b, s), routed[:, :, 1].long())
+
+
+def test_batch_slices_and_saves_routing_with_the_tokens():
+    """Guards against micro-batch views whose routing is not trimmed with their tokens (the
+    replay would then misalign positions) or a recorded batch that loses its routing."""
+    batch = TrainingBatch.pack([[5, 6, 7], [8]], [[9, 10], [11]], [[0.0, 0.0], [0.0]], [1.0, -1.0], pad_id=0)
+    batch.routed_experts = batch.empty_routing(2, 2)
+    assert batch.routed_experts.shape == (2, 5, 2, 2) and bool((batch.routed_experts == -1).all())
+    batch.routed_experts.copy_(torch.arange(40, dtype=torch.int16).reshape(2, 5, 2, 2))
+    second = batch.slice(1, 2)
+    assert second.routed_experts.shape[:2] == second.tokens.shape == (1, 2)
+    assert torch.equal(second.routed_experts, batch.routed_experts[1:2, :2])
+
+
+def test_batch_save_keeps_routing(tmp_path):
+    """Guards against ``logging.record_batches`` files that drop the recorded routing."""
+    batch = TrainingBatch.pack([[5, 6]], [[9]], [[0.0]], [1.0], pad_id=0)
+    batch.routed_experts = torch.arange(12, dtype=torch.int16).reshape(1, 3, 2, 2)
+    batch.save(tmp_path / "b.pt")
+    assert torch.equal(TrainingBatch.load(tmp_path / "b.pt").routed_experts, batch.routed_experts)
+
+
+# ------------------------------------------------------------------------------ 2 ranks
+
+@pytest.fixture(scope="module")
+def reports():
+    return M.launch()
+
+
+LAYOUT_KEYS = [f"tp{tp} pp{pp} ep{ep}" for tp, pp, ep in M.LAYOUTS]
+
+
+def _recorded(run, j: int, layer: int) -> torch.Tensor:
+    """Micro-batch j's recorded routing of ``layer``, experts sorted: [b, s, k]."""
+    start, n = run["micro_rows"][j]
+    s = run["shapes"][j][1]
+    return run["routed"][start:start + n, :s, layer].long().sort(-1).values
+
+
+def _flips(run) -> int:
+    """Tokens x layers whose experts differ between the old-policy pass and the update."""
+    return sum(int((run["old_seen"][j][layer] != run["update_seen"][j][layer]).any(-1).sum())
+               for j in range(len(run["shapes"])) for layer in run["old_seen"][j])
+
+
+@pytest.mark.parametrize("layout", LAYOUT_KEYS)
+def test_moe_recorded_routing_is_what_the_old_policy_forward_used(reports, layout):
+    """Guards against recording at shifted positions, into the wrong layer's slot, in the
+    wrong row order, or into a micro-batch view that does not alias the step's batch: the
+    recorded experts must equal, at every token of every micro-batch and layer this rank
+    holds, the experts megatron's router used in the old-policy pass."""
+    for r in reports:
+        run = r[f"{layout} record-in-trainer"]
+        assert run["routed"] is not None and run["replayed_flag"]
+        for j in range(len(run["shapes"])):
+            assert run["old_seen"][j], "no router ran"
+            for layer, seen in run["old_seen"][j].items():
+                assert torch.equal(_recorded(run, j, layer), seen), (layer, j)
+
+
+@pytest.mark.parametrize("layout", LAYOUT_KEYS)
+def test_moe_update_forward_replays_exactly_the_old_policy_routing(reports, layout):
+    """Guards against an update that routes itself (replay never enabled), replays a
+    position-shifted or another layer's routing, or replays one micro-batch's routing into
+    another: every update forward must use exactly the recorded experts, although with
+    replay off the same step flips some tokens' experts (checked, so this test can fail)."""
+    for r in reports:
+        run, off = r[f"{layout} record-in-trainer"], r[f"{layout} off"]
+        assert off["routed"] is None and not off["replayed_flag"]
+        for j in range(len(run["shapes"])):
+            for layer, seen in run["update_seen"][j].items():
+                assert torch.equal(_recorded(run, j, layer), seen), (layer, j)
+        assert _flips(run) == 0
+    assert sum(_flips(r[f"{layout} off"]) for r in reports) > 0, "no flip without replay: the test proves nothing"
+
+
+def test_moe_recorded_routing_does_not_depend_on_the_layout(reports):
+    """Guards against EP, TP or PP changing which experts a token is recorded with (tokens
+    routed on another rank's rows, a TP rank routing a different copy, a PP stage recording
+    the other stage's layers): each layout's record equals TP1/PP1/EP1's, row for row."""
+    def by_row(layout):
+        rows = {}
+        for r in reports:
+            run = r[f"{layout} record-in-trainer"]
+            per = M.GLOBAL // run["dp"]
+            for j, (start, n) in enumerate(run["micro_rows"]):
+                s = run["shapes"][j][1]
+                for layer in run["old_seen"][j]:
+                    for i in range(n):
+                        rows[(run["dp_rank"] * per + start + i, layer)] = _recorded(run, j, layer)[i, :s]
+        return rows
+
+    base = by_row(LAYOUT_KEYS[0])
+    assert len(base) == M.GLOBAL * 2
+    for layout in LAYOUT_KEYS[1:]:
+        other = by_row(layout)
+        assert other.keys() == base.keys(), layout
+        for key, v in other.items():
+            n = min(len(v), len(base[key]))  # micro-batches trim to their own longest row
+            assert torch.equal(v[:n], base[key][:n]), (layout, key)
+
+
+def test_moe_old_vs_update_logprob_gap_is_reported(reports, capsys):
+    """Guards against the gap measurement silently measuring nothing (no old-policy pass,
+    or a zero gap): mini-batch 2's mean |logp - old_logp| after one optimizer step, with and
+    without replay, at every layout; the numbers go into the README."""
+    lines = []
+    for layout in LAYOUT_KEYS:
+        gaps = {mode: max(r[f"{layout} {mode}"]["gap_mb2"] for r in reports) for mode in ("off", "record-in-trainer")}
+        flips = sum(_flips(r[f"{layout} off"]) for r in reports)
+        assert all(g > 0 for g in gaps.values()), gaps
+        lines.append(f"{layout}: gap off {gaps['off']:.5f}, record-in-trainer {gaps['record-in-trainer']:.5f}, "
+                     f"flips without replay {flips} (summed over ranks; TP ranks repeat)")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
