@@ -18,7 +18,7 @@ What: from any TP x PP x DP layout, every rank (or every stage, with
 3. With PP > 1 every engine needs every stage's weights, so stages take turns:
    stage s broadcasts its buckets over the PP group one at a time (a name/shape
    header, then the tensors). No rank ever holds more than about one bucket plus
-   one module's gathered tensors; nobody gathers the whole model.
+   one unit's gathered tensors; nobody gathers the whole model.
 4. MoE at EP > 1: within a stage, the attention / router / norm modules are the same on
    every EP rank and each rank yields them itself; the experts (each EP rank holds a
    block of them) are exchanged one MoE layer at a time: each EP rank broadcasts its

@@ -215,7 +215,8 @@ def test_bridge_buckets_hold_whole_moe_layers_at_ep2(reports, tp, pp, ep):
                     layer, rest = n.split(".mlp.experts.")
                     layers.setdefault(layer, set()).add(rest)
                     where.setdefault(layer, set()).add(b)
-            want = {f"{e}.{p}.weight" for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")}
+            want = {f"{e}.{p}.weight" for e in range(num_experts)
+                    for p in ("gate_proj", "up_proj", "down_proj")}
             for layer, got in layers.items():
                 assert got == want, f"rank {rank} bucket {b}: {layer} has {sorted(got)}"
         assert len(where) == 2 and all(len(bs) == 1 for bs in where.values()), f"rank {rank}: {where}"
