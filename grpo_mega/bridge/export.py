@@ -10,19 +10,22 @@ What: from any TP x PP x DP layout, every rank (or every stage, with
    halves, vocabulary padding removed) and turned into HF tensors by the family's
    mapping table (``models.hf.canonical_to_hf``). The tied output layer is skipped
    (the embedding is exported once, from stage 0).
-2. A module is never split over two buckets: vLLM reprocesses a fused layer
+2. A unit is never split over two buckets: vLLM reprocesses a fused layer
    (qkv_proj = q, k, v weights and biases; gate_up_proj) once all its tensors
-   arrived, and a partial update silently corrupts it.
+   arrived, and a partial update silently corrupts it. A unit is one megatron module,
+   except for MoE experts: all experts of one MoE layer are one unit, because vLLM
+   reloads a layer's experts (every gate, up and down) as one fused tensor pair.
 3. With PP > 1 every engine needs every stage's weights, so stages take turns:
    stage s broadcasts its buckets over the PP group one at a time (a name/shape
    header, then the tensors). No rank ever holds more than about one bucket plus
-   one module's gathered tensors; nobody gathers the whole model.
+   one unit's gathered tensors; nobody gathers the whole model.
 4. MoE at EP > 1: within a stage, the attention / router / norm modules are the same on
    every EP rank and each rank yields them itself; the experts (each EP rank holds a
-   block of them) are broadcast over the EP group in turns, one bucket at a time, in the
-   same header-then-tensors form, so every rank of the stage yields every expert and
-   none holds more than a bucket of other ranks' experts. Step 3 then carries the whole
-   stage to the other stages.
+   block of them) are exchanged one MoE layer at a time: each EP rank broadcasts its
+   block of that layer over the EP group in turn, in the same header-then-tensors form,
+   so every rank of the stage yields every expert of the layer in one bucket and none
+   holds more than one layer of other ranks' experts (plus the bucket). Step 3 then
+   carries the whole stage to the other stages.
 """
 from __future__ import annotations
 
@@ -78,32 +81,57 @@ def _is_expert_module(params) -> bool:
     return ".local_experts." in params[0][0]
 
 
+def _units(modules) -> list[list]:
+    """Modules grouped into what a bucket never splits: one megatron module, or every
+    local expert of one MoE layer (vLLM reloads all experts of a layer as one unit and
+    rebuilds the ones an update leaves out from uninitialised memory). Model order."""
+    units, index = [], {}
+    for params in modules:
+        if _is_expert_module(params):
+            layer = params[0][0].split(".mlp.experts.")[0]
+            if layer in index:
+                units[index[layer]].append(params)
+                continue
+            index[layer] = len(units)
+        units.append([params])
+    return units
+
+
 def _stage_buckets(model, cfg: ModelConfig, ps, bucket_bytes: int) -> Iterator[Bucket]:
-    """This stage's HF tensors in buckets of about ``bucket_bytes`` (whole modules only),
-    every expert included (broadcast over the EP group when EP > 1)."""
-    modules = _stage_modules(model, cfg, ps)
+    """This stage's HF tensors in buckets of about ``bucket_bytes`` (whole units only),
+    every expert included (each MoE layer's blocks broadcast over the EP group at EP > 1).
+    Every EP rank of a stage walks the same units in the same order, so the broadcasts
+    pair up."""
     ep = getattr(ps, "ep", 1)
-    if ep == 1:
-        yield from _buckets(modules, cfg, ps, bucket_bytes)
-        return
-    yield from _buckets([m for m in modules if not _is_expert_module(m)], cfg, ps, bucket_bytes)
-    experts = [m for m in modules if _is_expert_module(m)]
-    for owner in range(ep):
+
+    def pairs_of(unit):
+        local = [p for params in unit for p in _gather_module(params, cfg, ps)]
+        if ep == 1 or not _is_expert_module(unit[0]):
+            return local
+        return _layer_experts(local, ps)
+
+    yield from _pack((pairs_of(u) for u in _units(_stage_modules(model, cfg, ps))), bucket_bytes)
+
+
+def _layer_experts(local: Bucket, ps) -> Bucket:
+    """Every EP rank's experts of one MoE layer (``local``: this rank's block), the
+    blocks broadcast over the EP group in turns."""
+    out = []
+    for owner in range(ps.ep):
         src = dist.get_global_rank(ps.ep_group, owner)
         if ps.ep_rank == owner:
-            for bucket in _buckets(experts, cfg, ps, bucket_bytes):
-                _broadcast_bucket(bucket, src, ps.ep_group)
-                yield bucket
-            _broadcast_bucket(None, src, ps.ep_group)  # end of this rank's experts
+            _broadcast_bucket(local, src, ps.ep_group)
+            out += local
         else:
-            while (bucket := _receive_bucket(src, ps.ep_group, ps.device)) is not None:
-                yield bucket
+            out += _receive_bucket(src, ps.ep_group, ps.device)
+    return out
 
 
-def _buckets(modules, cfg: ModelConfig, ps, bucket_bytes: int) -> Iterator[Bucket]:
+def _pack(units, bucket_bytes: int) -> Iterator[Bucket]:
+    """Consecutive units (lists of HF tensors) joined into buckets of about
+    ``bucket_bytes``; a unit larger than that is a bucket of its own."""
     bucket, size = [], 0
-    for params in modules:
-        pairs = _gather_module(params, cfg, ps)
+    for pairs in units:
         n = nbytes(pairs)
         if bucket and size + n > bucket_bytes:
             yield bucket
@@ -112,10 +140,6 @@ def _buckets(modules, cfg: ModelConfig, ps, bucket_bytes: int) -> Iterator[Bucke
         size += n
     if bucket:
         yield bucket
-
-
-DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
-                               torch.int8, torch.uint8, torch.int32, torch.int64)}
 
 
 def _broadcast_bucket(bucket: Optional[Bucket], src: int, group) -> None:
@@ -136,6 +160,10 @@ def _receive_bucket(src: int, group, device) -> Optional[Bucket]:
         dist.broadcast(t, src=src, group=group)
         bucket.append((name, t))
     return bucket
+
+
+DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                               torch.int8, torch.uint8, torch.int32, torch.int64)}
 
 
 def export_buckets(model, model_cfg: ModelConfig, ps, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,

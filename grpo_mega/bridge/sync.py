@@ -81,7 +81,8 @@ class WeightBridge:
     ps: Any
     engines: Sequence[Any] = ()
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    """Target bucket size; peak extra memory is about one bucket plus one module."""
+    """Target bucket size; peak extra memory is about one bucket plus one unit (a module,
+    or one MoE layer's experts)."""
     verify: bool = True
     """Check the engines' weights after every sync (``--verify`` switch)."""
     verify_columns: int = 2

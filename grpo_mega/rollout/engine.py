@@ -388,7 +388,8 @@ class RolloutEngine:
         (child mode, except the replica's first rank) ignore the tensors, so
         the bridge may pass an empty iterable there. A partial update
         (a bucket) must cover whole fused layers: q, k and v together, gate
-        and up together (updating q alone silently corrupts outputs). Modules
+        and up together (updating q alone silently corrupts outputs), and all
+        experts of an MoE layer together (a part is refused: ValueError). Modules
         tied to a reloaded weight are repacked inside the worker. Call
         :meth:`reset_prefix_cache` after the last bucket.
         """

@@ -11,10 +11,13 @@ engine calls them with ``collective_rpc("<method name>", ...)`` in every mode.
   prepacking), then the repack of modules sharing a reloaded weight: on CPU a
   tied lm_head keeps its own prepacked copy of the embedding, which plain
   ``reload_weights`` leaves stale (new embedding, old logits).
+  MoE layers: see :mod:`grpo_mega.rollout.vllm_moe` (experts re-prepacked, whole
+  layers only).
 * ``grpo_mega_probe(specs)``: read back slices of HF-named weights for the
   weight bridge's verification. vLLM's CPU linear layers drop their weight
   after prepacking it, so a weight is read through the layer's own kernel:
-  multiplying by one-hot rows returns exact columns of W.
+  multiplying by one-hot rows returns exact columns of W. MoE experts are read
+  from their prepacked tensors through a layout learnt from vLLM's own prepack.
 
 The file transport (:func:`write_weight_file`) is the engine side of
 ``grpo_mega_update_from_file``: a safetensors file in RAM-backed /dev/shm,
@@ -29,6 +32,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from grpo_mega.rollout import vllm_moe
 from grpo_mega.safetensors_io import write_safetensors
 
 __all__ = ["WorkerExtension", "reload_weights", "reload_weights_from_file", "probe_weights",
@@ -59,10 +63,19 @@ def reload_weights(worker, named_tensors) -> int:
     Then modules that share a weight with a reloaded one are repacked: on CPU a tied
     lm_head keeps its own prepacked copy of the embedding, which ``reload_weights``
     does not refresh (the lm_head received no tensor), so it would keep producing
-    logits from the old weights while the embedding is new."""
+    logits from the old weights while the embedding is new. MoE layers are reloaded
+    through :func:`grpo_mega.rollout.vllm_moe.experts_reprocessed` (vLLM skips the
+    experts' prepack on a reload), and an update must hold every expert of each MoE
+    layer it touches."""
     named_tensors = list(named_tensors)
-    worker.reload_weights(weights_iterator=named_tensors)
-    repack_shared_weights(_worker_model(worker), [n for n, _ in named_tensors])
+    model = _worker_model(worker)
+    names = [n for n, _ in named_tensors]
+    # MoE layers: vLLM's reload neither re-prepacks CPU experts nor keeps the experts
+    # a partial update leaves out (grpo_mega.rollout.vllm_moe has the vLLM functions).
+    vllm_moe.check_whole_moe_layers(model, names)
+    with vllm_moe.experts_reprocessed(model):
+        worker.reload_weights(weights_iterator=named_tensors)
+    repack_shared_weights(model, names)
     return len(named_tensors)
 
 
@@ -167,9 +180,9 @@ def _resolve(model, packed: dict, hf_name: str):
 def _output_rows(module, shard: Optional[int]):
     """(local row slice, global row indices or None for all) of one shard of a
     column-parallel (possibly fused) layer's output."""
-    from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 
-    if isinstance(module, RowParallelLinear):
+    if isinstance(module, (RowParallelLinear, ReplicatedLinear)):  # every output row held
         return slice(None), None
     sizes = list(module.output_partition_sizes)
     idx = shard or 0
@@ -209,6 +222,9 @@ def _plain(t: torch.Tensor) -> dict:
 def _probe_one(model, packed: dict, shared: dict, name: str, rows, cols, cache: dict) -> list[dict]:
     from vllm.model_executor.layers.linear import LinearBase, RowParallelLinear
 
+    experts = vllm_moe.probe_expert(model, name, list(cols or ()))
+    if experts is not None:  # prepacked MoE experts, read through their learnt layout
+        return [dict(r, values=_plain(r["values"])) for r in experts]
     module, pname, shard = _resolve(model, packed, name)
     if rows is not None and hasattr(module, "shard_indices"):
         # Vocabulary-parallel: this rank's real rows come first in its shard.
@@ -228,7 +244,8 @@ def _probe_one(model, packed: dict, shared: dict, name: str, rows, cols, cache: 
                              "via": f"{type(user).__name__} kernel"})
         return readings
     if isinstance(module, LinearBase) and pname == "weight":
-        n_in = module.input_size_per_partition
+        # ReplicatedLinear (an MoE router) holds its whole input width
+        n_in = getattr(module, "input_size_per_partition", module.input_size)
         start = module.tp_rank * n_in if isinstance(module, RowParallelLinear) else 0
         held_cols = [c for c in cols if start <= c < start + n_in]
         y = _kernel(module, held_cols, start, n_in, cache)

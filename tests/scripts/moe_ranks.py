@@ -37,24 +37,27 @@ def _reinit(tp: int, ep: int, pp: int = 1):
     return init_parallel(tp, pp, ep=ep, seed=3)
 
 
-def _export_diff(cfg, ckpt: Path, want: dict, tp: int, pp: int, ep: int) -> list[str]:
-    """Names the bridge got wrong at this layout: missing, extra, duplicated or unequal."""
-    from grpo_mega.bridge.export import export_hf_weights
+def _export_diff(cfg, ckpt: Path, want: dict, tp: int, pp: int, ep: int) -> tuple[list[str], list]:
+    """Names the bridge got wrong at this layout (missing, extra, duplicated or unequal),
+    and the HF names of each bucket it yielded."""
+    from grpo_mega.bridge.export import export_buckets
     from grpo_mega.checkpoint.convert import load_mcore_weights
     from grpo_mega.models.gpt import build_model
 
     ps = _reinit(tp, ep, pp)
     model = build_model(cfg, ps)
     load_mcore_weights(model, ckpt, ps, cfg)
-    got, bad = {}, []
-    for name, t in export_hf_weights(model, cfg, ps, bucket_bytes=SMALL_BUCKET):
-        if name in got:
-            bad.append(f"twice: {name}")
-        got[name] = t.clone()
+    got, bad, buckets = {}, [], []
+    for bucket in export_buckets(model, cfg, ps, bucket_bytes=SMALL_BUCKET):
+        buckets.append([name for name, _ in bucket])
+        for name, t in bucket:
+            if name in got:
+                bad.append(f"twice: {name}")
+            got[name] = t.clone()
     bad += [f"missing: {n}" for n in sorted(set(want) - set(got))]
     bad += [f"extra: {n}" for n in sorted(set(got) - set(want))]
     bad += [f"differs: {n}" for n in sorted(set(want) & set(got)) if not torch.equal(want[n], got[n])]
-    return bad
+    return bad, buckets
 
 
 def _tokens(vocab: int) -> torch.Tensor:
@@ -134,7 +137,8 @@ def _rank_main(rank: int, world: int, root: str) -> dict:
         report[f"tp{tp} ep{ep} aux{aux}"] = out
     original = read_hf_tensors(hf_dir)
     for tp, pp, ep in EXPORT_LAYOUTS:
-        report[f"export tp{tp} pp{pp} ep{ep}"] = _export_diff(cfg, root / "mcore", original, tp, pp, ep)
+        report[f"export tp{tp} pp{pp} ep{ep}"], report[f"buckets tp{tp} pp{pp} ep{ep}"] = \
+            _export_diff(cfg, root / "mcore", original, tp, pp, ep)
     if rank == 0:
         from transformers import AutoModelForCausalLM
 

@@ -119,8 +119,12 @@ RIG_CHECKPOINTS = {
     "llama3_rope": dict(family="llama", tie=False, seed=13, max_position_embeddings=64,
                         rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.5,
                                       "high_freq_factor": 6.0, "original_max_position_embeddings": 8}),
+    # Qwen3-MoE (4 experts, top-2, 2 layers): vLLM-CPU prepacks the experts, and a plain
+    # reload_weights leaves them in the wrong layout (grpo_mega/rollout/vllm_moe.py).
+    "qwen3_moe": dict(family="qwen3_moe", tie=False, seed=14),
 }
 QWEN2_RIG = pytest.mark.parametrize("rig", ["qwen2_bias"], indirect=True)
+MOE_RIG = pytest.mark.parametrize("rig", ["qwen3_moe"], indirect=True)
 EVERY_RIG = pytest.mark.parametrize("rig", list(RIG_CHECKPOINTS), indirect=True)
 
 
@@ -330,6 +334,70 @@ def test_stale_tied_lm_head_after_plain_reload_is_caught(rig):
         _bridge(rig, PlainReload(rig.engine)).sync()
     _bridge(rig, rig.engine).sync()
     assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), _trainer_logprobs(rig, SEQS)) <= TOL
+
+
+def _expert_names(names) -> list[str]:
+    return [n for n in names if ".mlp.experts." in n]
+
+
+@pytest.mark.vllm
+@MOE_RIG
+def test_moe_expert_sync_in_one_unit_buckets_matches_trainer(rig):
+    """Guards against vLLM-CPU's MoE reload bug: ``reload_weights`` skips the experts'
+    prepack (``CPUUnquantizedExperts.process_weights_after_loading``), so a plain
+    reload leaves the engine on neither the old nor the new weights (log-prob gap
+    0.13); and against buckets carrying part of an MoE layer's experts (vLLM refills
+    the rest from uninitialised memory). With one unit per bucket, after a training
+    step, the sync verifies (experts read back bitwise) and vLLM's log-probs equal the
+    trainer's (1e-4, fp32)."""
+    before = _engine_prompt_logprobs(rig.engine.llm, SEQS)
+    _train_step(rig)
+    trainer = _trainer_logprobs(rig, SEQS)
+    assert _max_diff(trainer, before) > 1e-2, "the training step should move the logprobs"
+    engine = Recording(rig.engine)
+    stats = _bridge(rig, engine, bucket_bytes=1).sync()  # every unit its own bucket
+    hf = read_hf_tensors(rig.hf_dir)
+    experts = [b for b in engine.buckets if _expert_names(b)]
+    assert [len(b) for b in experts] == [12, 12] and all(len(_expert_names(b)) == 12 for b in experts)
+    assert (stats.tensors, stats.verified_tensors) == (len(hf), len(hf))
+    assert stats.buckets == len(engine.buckets) > 10
+    assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), trainer) <= TOL
+    samples = _engine_samples(rig.engine.llm, [s[:4] for s in SEQS])
+    ours = _trainer_logprobs(rig, [s[:4] + toks for s, (toks, _) in zip(SEQS, samples)])
+    assert _max_diff([lp for _, lp in samples], [o[3:] for o in ours]) <= TOL
+
+
+@pytest.mark.vllm
+@MOE_RIG
+def test_stale_moe_experts_after_plain_reload_are_caught(rig):
+    """Guards against verification missing stale experts: after vLLM's plain
+    reload_weights (no re-prepack: the experts' kernel reads a permutation of the new
+    weights), the bridge's probes read the experts back through the prepacked layout
+    and the sync raises WeightSyncError naming expert tensors; a proper sync repairs."""
+    from grpo_mega.bridge import WeightSyncError
+
+    _train_step(rig)
+    with pytest.raises(WeightSyncError, match=r"mlp\.experts\.\d+\.(gate|up|down)_proj\.weight"):
+        _bridge(rig, PlainReload(rig.engine)).sync()
+    assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), _trainer_logprobs(rig, SEQS)) > 1e-2
+    _bridge(rig, rig.engine).sync()
+    assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), _trainer_logprobs(rig, SEQS)) <= TOL
+
+
+@pytest.mark.vllm
+@MOE_RIG
+def test_update_with_part_of_an_moe_layer_is_refused(rig):
+    """Guards against an engine update that holds only some experts of an MoE layer
+    silently corrupting the others (vLLM rebuilds the layer from uninitialised memory;
+    measured: NaN log-probs): the worker refuses it by name and the engine keeps
+    serving the weights it had."""
+    trainer = _trainer_logprobs(rig, SEQS)
+    _bridge(rig, rig.engine).sync()
+    new = {n: t + 0.01 for n, t in read_hf_tensors(rig.hf_dir).items() if ".layers.0.mlp.experts." in n}
+    part = [(n, t) for n, t in new.items() if ".experts.3." not in n]
+    with pytest.raises(ValueError, match=r"9 of the 12 expert tensors of model\.layers\.0\.mlp\.experts"):
+        rig.engine.update_weights(part)
+    assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), trainer) <= TOL
 
 
 @pytest.mark.vllm

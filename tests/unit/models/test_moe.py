@@ -196,6 +196,32 @@ def test_bridge_exports_every_expert_bitwise_at_ep2(reports, tp, pp, ep):
         [r[f"export tp{tp} pp{pp} ep{ep}"][:5] for r in reports]
 
 
+@pytest.mark.parametrize("tp,pp,ep", moe_ranks.EXPORT_LAYOUTS)
+def test_bridge_buckets_hold_whole_moe_layers_at_ep2(reports, tp, pp, ep):
+    """Guards against a bucket carrying only some experts of an MoE layer (one EP rank's
+    block, or fc1 without fc2): vLLM reloads all experts of a layer as one unit and
+    fills the ones an update leaves out with uninitialised memory (measured: NaN
+    log-probs). Every bucket must hold every expert of each layer it touches, although
+    the buckets are far smaller (64 KiB) than a layer's experts."""
+    num_experts = 4
+    for rank, r in enumerate(reports):
+        buckets = r[f"buckets tp{tp} pp{pp} ep{ep}"]
+        assert len(buckets) > 4, f"rank {rank}: expected several buckets"
+        where: dict[str, set] = {}
+        for b, names in enumerate(buckets):
+            layers: dict[str, set] = {}
+            for n in names:
+                if ".mlp.experts." in n:
+                    layer, rest = n.split(".mlp.experts.")
+                    layers.setdefault(layer, set()).add(rest)
+                    where.setdefault(layer, set()).add(b)
+            want = {f"{e}.{p}.weight" for e in range(num_experts)
+                    for p in ("gate_proj", "up_proj", "down_proj")}
+            for layer, got in layers.items():
+                assert got == want, f"rank {rank} bucket {b}: {layer} has {sorted(got)}"
+        assert len(where) == 2 and all(len(bs) == 1 for bs in where.values()), f"rank {rank}: {where}"
+
+
 def test_moe_aux_loss_coeff_reaches_the_gradients(reports):
     """Guards against model.moe_aux_loss_coeff being ignored (load balancing silently off),
     or being scaled by the micro-batch token count as megatron's per-token convention does."""
