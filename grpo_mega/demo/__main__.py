@@ -51,6 +51,7 @@ def main(argv: list[str]) -> int:
                         "--hf-dir", str(assets / "hf"), "--out", str(mcore)], check=True, env=env)
     layout = ("TP=1 x DP=2 with expert parallelism EP=2 (a tiny Qwen3-MoE, 4 experts, top-2)"
               if moe else "TP=2")
+    model = "TP=1 x DP=2, EP=2 mixture-of-experts" if moe else "TP=2"
     say(f"launching GRPO: torchrun, 2 ranks, {layout} over gloo, vLLM rollouts, KL to a reference "
         "model (per-step lines below; held-out accuracy every 20 steps)")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -70,7 +71,7 @@ def main(argv: list[str]) -> int:
     print(f"""
 [demo] what just happened
   - GRPO sampled 8 answers per prompt from vLLM, scored them by exact match, turned the
-    scores into group-relative advantages, and updated a {layout} megatron model with the clipped
+    scores into group-relative advantages, and updated a {model} megatron model with the clipped
     surrogate minus a KL penalty; after every step the new weights went back into vLLM.
   - held-out greedy accuracy: {s['eval_accuracy_initial']:.1%} -> {s['eval_accuracy_final']:.1%}
     ({gain:+.1f} points) in {s['steps']} steps, {s['wall_seconds']:.0f} s of training
