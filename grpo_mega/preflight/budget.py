@@ -220,17 +220,23 @@ def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = 80.0) -> Budget:
     etp = rollout_tp(cfg)
     b.engine_tp = etp
     share = r.gpu_memory_utilization * gpu_gib
-    ew = pc.total * wb / etp / GiB
+    replicas = max(layout.world // etp, 1)
+    # vLLM's MoE layers shard the experts over all ranks of its DP x TP ("flatten TP across
+    # DP", vllm FusedMoEParallelConfig): in external_launcher mode the engine replicas are
+    # vLLM's DP ranks, so the experts are split over the whole world; other modes run one
+    # engine per replica (DP 1) holding every expert on each of its TP shards.
+    engine_dp = replicas if r.engine_mode in ("auto", "external_launcher") else 1
+    ew = ((pc.total - pc.experts_total) / etp + pc.experts_total / (etp * engine_dp)) * wb / GiB
     kv = share - ew - ENGINE_OVERHEAD_GIB
     b.engine.append(Row("engine share", share, f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}"))
     b.engine.append(Row("engine weights", ew, f"{m.dtype} at engine TP={etp}"
-                        + (f", all {m.num_experts} experts on every TP shard" if m.num_experts else "")))
+                        + (f", experts over TP x {engine_dp} engine replicas (vLLM's MoE TP spans its DP)"
+                           if m.num_experts else "")))
     b.engine.append(Row("engine overhead", ENGINE_OVERHEAD_GIB, "activations, sampler, CUDA graphs"))
     b.engine.append(Row("KV cache", max(kv, 0.0), "what remains of the share"))
     kv_per_token = 2 * m.num_layers * max(m.num_query_groups // etp, 1) * hd * wb
     b.kv_tokens = int(max(kv, 0.0) * GiB // kv_per_token)
     b.kv_seqs = b.kv_tokens // r.max_model_len
-    replicas = max(layout.world // etp, 1)
     b.seqs_per_engine = -(-layout.samples_per_step // replicas)
 
     resident = sum(x.gib for x in b.trainer[:4])

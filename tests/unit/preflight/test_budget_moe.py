@@ -91,7 +91,8 @@ def test_budget_splits_expert_bytes_over_ep_and_expert_optimizer_over_expert_dp(
     stage, so a fitting EP layout reads as 40 GiB over) or shards it wrongly: at TP1 x PP2
     x DP8 a GPU holds 24 layers x 128/ep experts x 3 x 2048 x 768 expert parameters plus the
     dense rest; with a distributed optimizer (megatron's, the one allowed at EP > 1) the
-    dense state shards over dp=8 and the expert state over expert-DP = dp/ep only."""
+    dense state shards over dp=8 and the expert state over expert-DP = dp/ep only. And
+    against engine weights that follow the trainer's EP instead of vLLM's own sharding."""
     expert = 3 * 2048 * 768
     rows = {}
     for ep in (1, 2, 8):
@@ -107,9 +108,14 @@ def test_budget_splits_expert_bytes_over_ep_and_expert_optimizer_over_expert_dp(
         24 * 112 * expert * 2 / GiB)
     assert rows[8].row("gradients") == pytest.approx(rows[1].row("gradients") - 24 * 112 * expert * 4 / GiB)
     assert rows[8].fits and not rows[1].fits
-    # the engine holds all experts whatever the trainer's EP
+    # The engine's experts do not follow the trainer's EP: vLLM shards them over its TP x DP,
+    # and in external_launcher mode its DP is the 2 engine replicas (16 ranks in all); an
+    # engine of its own (child mode, vLLM DP 1) holds every expert on each of its 8 shards.
+    total, experts = 30_532_122_624, 28_991_029_248
     assert rows[1].row("engine weights") == rows[8].row("engine weights") == pytest.approx(
-        30_532_122_624 * 2 / 8 / GiB)
+        ((total - experts) / 8 + experts / 16) * 2 / GiB)
+    cfg = load_config(CONFIG_30B, ["--rollout.engine_mode=child"])
+    assert memory_budget(cfg, derive_layout(cfg, 16)).row("engine weights") == pytest.approx(total * 2 / 8 / GiB)
     for ep in (2, 8):
         cfg = load_config(CONFIG_30B, [f"--parallel.ep={ep}", "--optimizer.use_distributed_optimizer=true",
                                        "--optimizer.distributed_impl=megatron"])
