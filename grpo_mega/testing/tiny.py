@@ -44,6 +44,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -72,6 +74,7 @@ def build_tiny_hf_checkpoint(
     max_position_embeddings: int = 2048,
     rms_norm_eps: float = 1e-6,
     init_std: float = 0.02,
+    moe: dict | None = None,
 ) -> Path:
     """Write a random tiny causal LM to ``out_dir``; returns ``out_dir``.
 
@@ -93,6 +96,10 @@ def build_tiny_hf_checkpoint(
         seed: all weights are a function of (seed, shapes, names).
         init_std: std of the normal init of matrices and biases (norm
             weights are 1). Larger values give peakier, less uniform outputs.
+        moe: ``qwen3_moe`` only, HF names: ``num_experts``, ``num_experts_per_tok``,
+            ``moe_intermediate_size``, ``norm_topk_prob`` (defaults 4, 2, 2 x hidden, true).
+            The router gets std 1, so top-k choices are not near ties that the engine's
+            and megatron's float orders could break differently.
     """
     if family not in FAMILIES:
         raise ValueError(f"family={family!r}; choose one of {sorted(FAMILIES)}")
@@ -116,6 +123,13 @@ def build_tiny_hf_checkpoint(
     )
     if family == "llama":
         kwargs["attention_bias"] = bias
+    if family in ("qwen3", "qwen3_moe"):
+        kwargs.update(head_dim=hidden_size // num_heads, attention_bias=False)
+    if family == "qwen3_moe":
+        kwargs.update(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=2 * hidden_size,
+                           norm_topk_prob=True), **(moe or {}))
+    elif moe:
+        raise ValueError(f"moe={moe} needs family='qwen3_moe', got {family!r}")
     config = config_cls(**kwargs)
     model = model_cls(config).to(torch.float32)
     _init_weights(model, seed, init_std)
@@ -177,6 +191,8 @@ def _check_shapes(family: str, hidden: int, heads: int, kv_heads: int, bias: boo
                          "CPU attention backend rejects it; use fewer heads or a wider model")
     if heads % kv_heads:
         raise ValueError(f"num_heads={heads} is not divisible by num_kv_heads={kv_heads}")
+    if family in ("qwen3", "qwen3_moe") and bias:
+        raise ValueError(f"{family} has no q/k/v biases (qkv_bias=True)")
     if family == "qwen2" and not bias:
         raise ValueError("qwen2 requires qkv_bias=True (vLLM's Qwen2 always has q/k/v biases)")
 
@@ -228,6 +244,8 @@ def _init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
         seen.add(id(param))
         if "norm" in name:
             param.fill_(1.0)
+        elif name.endswith("mlp.gate.weight"):  # an MoE router: std 1, no near-ties
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32))
         else:
             param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
 

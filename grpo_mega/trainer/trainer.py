@@ -120,7 +120,10 @@ def _model_shape_from_hf(cfg: Config) -> None:
     rope = [f.name for f in dataclasses.fields(hf) if f.name.startswith("rope_")]
     for f in ["family", "vocab_size", "hidden_size", "num_layers", "num_attention_heads",
               "num_query_groups", "head_dim", "ffn_hidden_size", "qkv_bias",
-              "tie_embeddings", "norm_eps", "max_position_embeddings", *rope]:
+              "tie_embeddings", "norm_eps", "max_position_embeddings", *rope,
+              # the MoE shape too: a YAML's expert count or width that is not the checkpoint's
+              # would build a model the weights do not load into
+              "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "norm_topk_prob"]:
         setattr(cfg.model, f, getattr(hf, f))
 
 
