@@ -16,25 +16,29 @@ overrides exactly as the trainer takes them.
 
 The budget is an estimate for the worst pipeline stage of one GPU, in GiB:
 
-* parameters: counted from the model shape (embedding, QKV(+bias), output projection,
-  SwiGLU fc1 [gate; up] and fc2, RMSNorms, untied output layer), vocabulary padded
-  as the model builder pads it; matrices are split over TP, norms are replicated.
+* parameters: counted from the model shape (``params.py``: embedding, QKV(+bias), output
+  projection, SwiGLU fc1 [gate; up] and fc2, RMSNorms, untied output layer), vocabulary padded
+  as the model builder pads it; matrices are split over TP, norms are replicated. An MoE
+  model's experts are split over EP x expert TP (= TP), its router is replicated like the norms.
 * weights in ``model.dtype``; gradients in fp32 (megatron's main grads, whole on every
   rank in both optimizers); Adam m and v in fp32 plus an fp32 master copy when the weights
   are bf16 or the optimizer is distributed (12 B/param), divided over DP with
-  ``optimizer.use_distributed_optimizer`` (``optim/distributed.py``; a checkpoint save
+  ``optimizer.use_distributed_optimizer`` (experts' state over expert-DP = dp / ep only;
+  ``optim/distributed.py``; a checkpoint save
   gathers the whole state for its duration, a transient not counted here); a frozen reference copy when
   ``algorithm.kl_coef > 0`` (unless ``checkpoint.offload_reference``).
 * activations (``activation_bytes``), with flash attention, per token and layer: ``4h``
   replicated (two norm inputs, QKV and fc1 inputs; ``/ tp`` with ``model.sequence_parallel``) plus
   ``((heads + 2 kv_heads) * head_dim + heads * head_dim + 3 ffn) / tp`` (q/k/v, attention
   output, fc1 output, SwiGLU output); times micro_batch x seq x layers/pp, times the
-  micro-batches 1F1B keeps in flight on stage 0 (min(pp, micro-batches)).
+  micro-batches 1F1B keeps in flight on stage 0 (min(pp, micro-batches)). An MoE layer
+  replaces the ``3 ffn / tp`` by its routed tokens' terms (``moe_activation_elements``).
 * logits on the last stage: micro_batch x seq x vocab/tp in the model dtype plus three fp32
   buffers (upcast, log-softmax, gradient).
 * the rollout engine (vLLM) takes ``rollout.gpu_memory_utilization`` of the GPU: its bf16
   weights at engine TP = ``rollout.tp`` (``parallel.tp`` when 0; engine replicas over the
-  rest of the world, as the trainer places them), a fixed
+  rest of the world, as the trainer places them; an MoE model's experts over engine TP x
+  the replicas in ``external_launcher`` mode, where vLLM's MoE TP spans its DP), a fixed
   2 GiB for its activations and sampler, and the rest is KV cache.
 * the peak is the larger of the rollout phase (trainer weights, grads, optimizer and
   reference stay resident next to the engine's share) and the training phase (trainer
