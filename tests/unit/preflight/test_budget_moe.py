@@ -35,6 +35,9 @@ def _count_built(rank: int, world: int) -> dict:
     from grpo_mega.models.gpt import build_model
 
     out = {}
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    out["moe_saved_per_token"] = _moe_saved_bytes_per_token(build_model(_tiny(), init_parallel(1, 1, seed=1)))
     for tp, pp, ep in LAYOUTS:
         if mpu.model_parallel_is_initialized():
             mpu.destroy_model_parallel()
@@ -45,6 +48,38 @@ def _count_built(rank: int, world: int) -> dict:
         out[(tp, pp, ep)] = {"all": sum(p.numel() for p in params.values()), "experts": experts,
                              "pp_rank": ps.pp_rank}
     return out
+
+
+def _moe_saved_bytes_per_token(model, batch: int = 2, seq: int = 64) -> float:
+    """Bytes autograd keeps for the backward inside megatron's MoE layers (the router, the
+    dispatcher, the experts), per token per layer: saved tensors are counted once per storage,
+    leaving out the weights and the layer's input (the norm output, the budget's ``4h``)."""
+    import torch
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from grpo_mega.models.gpt import forward_logits
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+    scope = {"on": False, "input": None}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if scope["on"] and ptr not in params and ptr != scope["input"]:
+            seen.setdefault(ptr, t.untyped_storage().nbytes())
+        return t
+
+    def enter(mod, args):
+        scope.update(on=True, input=args[0].untyped_storage().data_ptr())
+
+    layers = [mod for mod in model.modules() if isinstance(mod, MoELayer)]
+    for mod in layers:
+        mod.register_forward_pre_hook(enter)
+        mod.register_forward_hook(lambda *a: scope.update(on=False))
+    tokens = torch.randint(0, 300, (batch, seq), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward_logits(model, tokens)
+    return sum(seen.values()) / (batch * seq * len(layers))
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +108,20 @@ def test_moe_param_count_equals_megatron_model_per_rank_and_in_total(built):
     pc = count_params(m, 1, 1, 1)
     pad = (padded_vocab(m.vocab_size, 1, m.make_vocab_size_divisible_by) - m.vocab_size) * m.hidden_size
     assert built[0][(1, 1, 1)]["all"] == pc.total + 2 * pad  # untied: embedding and output layer
+
+
+def test_moe_activation_estimate_is_what_megatron_moe_layer_saves(built):
+    """Guards against an MoE activation term that is not what megatron's MoE layer keeps for
+    the backward: top-k left out (one expert per token), the dispatcher's permuted buffers
+    left out, or the dense MLP's ``3 ffn`` counted instead. Measured with saved-tensor hooks
+    on the tiny model's MoE layers at TP1/EP1 (CPU, megatron's sequential local experts,
+    which keep one more ``ffn`` per routed token than a fused SwiGLU and no expert output
+    before the unpermute), per token and layer; the estimate must be within 15%."""
+    from grpo_mega.preflight.budget import moe_activation_elements
+
+    m = _tiny()  # float32: one element is 4 bytes
+    est = moe_activation_elements(m, 1) * 4
+    assert abs(built[0]["moe_saved_per_token"] - est) < 0.15 * est, (built[0]["moe_saved_per_token"], est)
 
 
 def test_qwen3_30b_a3b_param_count_is_the_published_model():
