@@ -6,12 +6,14 @@
 
 Why: a scale config (TP8 x PP2 x DP2, engine TP 8, 32 GPUs) cannot run here, but its
 pattern can: every parallel axis above 1 (``parallel.tp``, ``parallel.pp``,
-``parallel.dp``) becomes 2 and an axis of 1 stays 1, and the engine's ranks per replica
-(``rollout.tp``) keep their ratio to ``parallel.tp``, so the job runs at a world of at
+``parallel.dp``, ``parallel.ep``) becomes 2 and an axis of 1 stays 1, and the engine's ranks
+per replica (``rollout.tp``) keep their ratio to ``parallel.tp`` (an engine spanning several
+TP groups spans two), so the job runs at a world of at
 most 8 with the same kinds of groups (TP, PP, DP, engine blocks that cross megatron's
 replicas). The model keeps its family and the config's engine mode, KL and loss settings,
 at tiny widths: a random checkpoint (head_dim 32, heads and KV heads divisible by both TPs,
-two layers per stage) on the packaged demo tokenizer, data and exact-match reward, 2 steps.
+two layers per stage; an MoE model 4 experts, top-2 at most) on the packaged demo tokenizer,
+data and exact-match reward, 2 steps.
 
 Writes ``OUT/config.yaml`` and ``OUT/hf/``; prints ``WORLD=<ranks> CONFIG=<file>``.
 Overrides after the options apply to the scale config before shrinking.
@@ -36,16 +38,33 @@ def shrink_axis(size: int) -> int:
     return 2 if size > 1 else 1
 
 
-def shrink_layout(tp: int, pp: int, dp: int, etp: int) -> dict[str, int]:
-    """The shrunk ``parallel.tp/pp/dp`` and ``rollout.tp`` (engine ranks per replica kept in
-    ratio to the trainer's TP, at least 1) and the world they fill."""
+def shrink_layout(tp: int, pp: int, dp: int, etp: int, ep: int = 1) -> dict[str, int]:
+    """The shrunk ``parallel.tp/pp/dp/ep`` and ``rollout.tp`` (engine ranks per replica kept in
+    ratio to the trainer's TP, at least 1; an engine of several TP groups spans two) and
+    the world they fill. EP is an axis too (it
+    lies inside DP, so an EP above 1 needs DP above 1 and both become 2)."""
     t, p, d = shrink_axis(tp), shrink_axis(pp), shrink_axis(dp)
-    e = max(1, etp * t // tp)
+    # An engine spanning several trainer TP groups (Qwen3-30B-A3B: TP 1, engine TP 8) spans
+    # two of them; one inside a TP group keeps its ratio to it.
+    e = t * shrink_axis(etp // tp) if etp >= tp else max(1, etp * t // tp)
     world = t * p * d
     if world % e:
         raise ConfigError(f"rollout.tp={etp} at parallel.tp={tp} shrinks to {e}, which does not "
                           f"divide the shrunk world {world}")
-    return {"tp": t, "pp": p, "dp": d, "rollout_tp": e, "world": world}
+    return {"tp": t, "pp": p, "dp": d, "ep": shrink_axis(ep), "rollout_tp": e, "world": world}
+
+
+TINY_EXPERTS = 4
+"""Experts per MoE layer of a shrunk MoE model: two per rank at EP 2."""
+
+
+def tiny_moe(cfg, layout: dict[str, int]) -> dict:
+    """A shrunk MoE shape in HF names (empty for a dense model): 4 experts, the config's
+    top-k (at most 2 of them), experts 32 x tp wide, the config's top-k renormalisation."""
+    if not cfg.model.num_experts:
+        return {}
+    return {"num_experts": TINY_EXPERTS, "num_experts_per_tok": min(cfg.model.moe_router_topk, 2),
+            "moe_intermediate_size": 32 * layout["tp"], "norm_topk_prob": cfg.model.norm_topk_prob}
 
 
 def tiny_shape(layout: dict[str, int]) -> dict[str, int]:
@@ -57,13 +76,18 @@ def tiny_shape(layout: dict[str, int]) -> dict[str, int]:
             "intermediate_size": 64 * heads, "num_layers": 2 * layout["pp"]}
 
 
-def shrunk_config(cfg, layout: dict[str, int], hf_dir: Path, run_dir: Path) -> dict:
-    """The scale config as a dict, with the shrunk layout, the tiny model and demo data."""
+def shrunk_config(cfg, layout: dict[str, int], hf_dir: Path, run_dir: Path, moe: dict) -> dict:
+    """The scale config as a dict, with the shrunk layout, the tiny model and demo data
+    (``moe``: the tiny MoE shape, ``tiny_moe``, written here too so that a check of the
+    shrunk YAML sees the model the checkpoint holds)."""
     d = to_dict(cfg)
     d["model"].update(hf_checkpoint=str(hf_dir), init_checkpoint=None, dtype="float32", fp8="none",
                       reference_fp8=False, make_vocab_size_divisible_by=2, max_position_embeddings=64)
-    d["parallel"].update(tp=layout["tp"], pp=layout["pp"], dp=layout["dp"], micro_batch_size=2,
-                         timeout_minutes=5)
+    if moe:
+        d["model"].update(num_experts=moe["num_experts"], moe_router_topk=moe["num_experts_per_tok"],
+                          moe_ffn_hidden_size=moe["moe_intermediate_size"])
+    d["parallel"].update(tp=layout["tp"], pp=layout["pp"], dp=layout["dp"], ep=layout["ep"],
+                         micro_batch_size=2, timeout_minutes=5)
     d["rollout"].update(tp=layout["rollout_tp"], n=4, max_new_tokens=5, max_model_len=32, stop=[])
     engines = layout["world"] // layout["rollout_tp"]
     prompts = math.lcm(layout["dp"], engines, 2)
@@ -86,7 +110,8 @@ def main(argv=None) -> int:
     args, overrides = p.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides)
-        layout = shrink_layout(cfg.parallel.tp, cfg.parallel.pp, max(cfg.parallel.dp, 1), rollout_tp(cfg))
+        layout = shrink_layout(cfg.parallel.tp, cfg.parallel.pp, max(cfg.parallel.dp, 1), rollout_tp(cfg),
+                               cfg.parallel.ep)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
@@ -95,13 +120,14 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from grpo_mega.testing.tiny import build_tiny_hf_checkpoint
 
+    moe = tiny_moe(cfg, layout)
     hf = build_tiny_hf_checkpoint(out / "hf", family=cfg.model.family, tokenizer_dir=DEMO / "tokenizer",
                                   tie_word_embeddings=cfg.model.tie_embeddings, seed=0,
-                                  max_position_embeddings=64, **tiny_shape(layout))
+                                  max_position_embeddings=64, moe=moe or None, **tiny_shape(layout))
     (out / "config.yaml").write_text(
         f"# {args.config} shrunk by tools/shrink_config.py: world {layout['world']} = tp {layout['tp']} "
-        f"x pp {layout['pp']} x dp {layout['dp']}, engine replicas of {layout['rollout_tp']} ranks\n"
-        + yaml.safe_dump(shrunk_config(cfg, layout, hf, out / "run"), sort_keys=False))
+        f"x pp {layout['pp']} x dp {layout['dp']} (ep {layout['ep']}), engine replicas of {layout['rollout_tp']} ranks\n"
+        + yaml.safe_dump(shrunk_config(cfg, layout, hf, out / "run", moe), sort_keys=False))
     print(f"WORLD={layout['world']} CONFIG={out / 'config.yaml'}")
     return 0
 

@@ -16,25 +16,29 @@ overrides exactly as the trainer takes them.
 
 The budget is an estimate for the worst pipeline stage of one GPU, in GiB:
 
-* parameters: counted from the model shape (embedding, QKV(+bias), output projection,
-  SwiGLU fc1 [gate; up] and fc2, RMSNorms, untied output layer), vocabulary padded
-  as the model builder pads it; matrices are split over TP, norms are replicated.
+* parameters: counted from the model shape (``params.py``: embedding, QKV(+bias), output
+  projection, SwiGLU fc1 [gate; up] and fc2, RMSNorms, untied output layer), vocabulary padded
+  as the model builder pads it; matrices are split over TP, norms are replicated. An MoE
+  model's experts are split over EP x expert TP (= TP), its router is replicated like the norms.
 * weights in ``model.dtype``; gradients in fp32 (megatron's main grads, whole on every
   rank in both optimizers); Adam m and v in fp32 plus an fp32 master copy when the weights
   are bf16 or the optimizer is distributed (12 B/param), divided over DP with
-  ``optimizer.use_distributed_optimizer`` (``optim/distributed.py``; a checkpoint save
+  ``optimizer.use_distributed_optimizer`` (experts' state over expert-DP = dp / ep only;
+  ``optim/distributed.py``; a checkpoint save
   gathers the whole state for its duration, a transient not counted here); a frozen reference copy when
   ``algorithm.kl_coef > 0`` (unless ``checkpoint.offload_reference``).
 * activations (``activation_bytes``), with flash attention, per token and layer: ``4h``
   replicated (two norm inputs, QKV and fc1 inputs; ``/ tp`` with ``model.sequence_parallel``) plus
   ``((heads + 2 kv_heads) * head_dim + heads * head_dim + 3 ffn) / tp`` (q/k/v, attention
   output, fc1 output, SwiGLU output); times micro_batch x seq x layers/pp, times the
-  micro-batches 1F1B keeps in flight on stage 0 (min(pp, micro-batches)).
+  micro-batches 1F1B keeps in flight on stage 0 (min(pp, micro-batches)). An MoE layer
+  replaces the ``3 ffn / tp`` by its routed tokens' terms (``moe_activation_elements``).
 * logits on the last stage: micro_batch x seq x vocab/tp in the model dtype plus three fp32
   buffers (upcast, log-softmax, gradient).
 * the rollout engine (vLLM) takes ``rollout.gpu_memory_utilization`` of the GPU: its bf16
   weights at engine TP = ``rollout.tp`` (``parallel.tp`` when 0; engine replicas over the
-  rest of the world, as the trainer places them), a fixed
+  rest of the world, as the trainer places them; an MoE model's experts over engine TP x
+  the replicas in ``external_launcher`` mode, where vLLM's MoE TP spans its DP), a fixed
   2 GiB for its activations and sampler, and the rest is KV cache.
 * the peak is the larger of the rollout phase (trainer weights, grads, optimizer and
   reference stay resident next to the engine's share) and the training phase (trainer
@@ -43,14 +47,17 @@ The budget is an estimate for the worst pipeline stage of one GPU, in GiB:
 """
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
 from grpo_mega.config import Config, ConfigError, ModelConfig, derived_dp, load_config, rollout_tp
 
+from grpo_mega.preflight.params import ParamCount, count_params, head_dim, padded_vocab
 from grpo_mega.preflight.validate import validate
+
+__all__ = ["ParamCount", "count_params", "head_dim", "padded_vocab", "derive_layout", "memory_budget",
+           "activation_bytes", "report", "main"]
 
 GiB = float(1 << 30)
 ENGINE_OVERHEAD_GIB = 2.0
@@ -58,64 +65,6 @@ ENGINE_OVERHEAD_GIB = 2.0
 RUNTIME_RESERVE_GIB = 3.0
 """CUDA context, NCCL buffers and allocator fragmentation per GPU."""
 _BYTES = {"float32": 4, "bfloat16": 2}
-
-
-def padded_vocab(vocab_size: int, tp: int, divisible_by: int) -> int:
-    """The model builder's vocabulary padding, ``models.padded_vocab_size`` (a multiple of
-    ``divisible_by * lcm(tp, 8)``), restated here because models imports torch; a test
-    keeps the two equal."""
-    multiple = divisible_by * math.lcm(tp, 8)
-    return -(-vocab_size // multiple) * multiple
-
-
-@dataclass
-class ParamCount:
-    """Parameters of one model shape; ``*_stage`` values are per GPU of one TP rank."""
-
-    total: int
-    """Whole model, unpadded vocabulary (the number a model card quotes)."""
-    per_layer_sharded: int
-    """One layer's matrices (and QKV bias), split over TP."""
-    per_layer_replicated: int
-    """One layer's RMSNorm weights, replicated on every TP rank."""
-    embedding: int
-    """Padded vocabulary x hidden (split over TP)."""
-    first_stage: float
-    """Parameters on one GPU of the first pipeline stage."""
-    last_stage: float
-    """Parameters on one GPU of the last pipeline stage."""
-
-    @property
-    def worst_stage(self) -> float:
-        return max(self.first_stage, self.last_stage)
-
-
-def head_dim(m: ModelConfig) -> int:
-    return m.head_dim or m.hidden_size // m.num_attention_heads
-
-
-def count_params(m: ModelConfig, tp: int, pp: int) -> ParamCount:
-    h, hd, f = m.hidden_size, head_dim(m), m.ffn_hidden_size
-    qkv_out = (m.num_attention_heads + 2 * m.num_query_groups) * hd
-    sharded = h * qkv_out + (qkv_out if m.qkv_bias else 0)  # linear_qkv
-    sharded += m.num_attention_heads * hd * h                # linear_proj
-    sharded += h * 2 * f + f * h                             # fc1 [gate; up], fc2
-    replicated = 2 * h + (2 * hd if m.family == "qwen3" else 0)
-    vpad = padded_vocab(m.vocab_size, tp, m.make_vocab_size_divisible_by)
-    emb_true = m.vocab_size * h
-    total = m.num_layers * (sharded + replicated) + h + emb_true * (1 if m.tie_embeddings else 2)
-
-    layers = m.num_layers // pp
-    body = layers * (sharded / tp + replicated)
-    emb = vpad * h / tp
-    first = body + emb
-    # The last stage holds the final norm and the output layer; a tied output layer
-    # is the embedding itself at pp=1 and a copy on the last stage at pp>1.
-    out = 0.0 if (m.tie_embeddings and pp == 1) else emb
-    last = body + h + out
-    if pp == 1:
-        first = last = body + emb + h + out
-    return ParamCount(total, sharded, replicated, vpad * h, first, last)
 
 
 @dataclass
@@ -167,6 +116,8 @@ class Layout:
     mini_batch: int
     micro_batches: int
     """Micro-batches per DP rank per optimizer step."""
+    ep: int = 1
+    """Expert-parallel size, carved out of the DP ranks; expert-DP is ``dp / ep``."""
 
     @property
     def nodes(self) -> int:
@@ -185,22 +136,39 @@ def derive_layout(cfg: Config, world: int, gpus_per_node: int = 8) -> Layout:
     mini = d.mini_batch_size or samples
     return Layout(world=world, tp=p.tp, pp=p.pp, dp=dp, gpus_per_node=gpus_per_node,
                   seq_len=d.max_prompt_tokens + r.max_new_tokens, samples_per_step=samples,
-                  mini_batch=mini, micro_batches=max(mini // (dp * p.micro_batch_size), 1))
+                  mini_batch=mini, micro_batches=max(mini // (dp * p.micro_batch_size), 1), ep=p.ep)
+
+
+def moe_activation_elements(m: ModelConfig, tp: int) -> float:
+    """Stored activation elements per token of a micro-batch in one MoE layer, in place of
+    the dense MLP's ``3 ffn / tp``: each token reaches ``moe_router_topk`` experts, and at
+    TP > 1 without sequence parallelism the dispatcher gathers all tp copies of it to the
+    TP-sharded experts (``models.gpt.allow_moe_without_sequence_parallel``), so a rank's
+    experts see ``topk x tp`` routed tokens. Per routed token: the experts' fc1 and SwiGLU
+    outputs (``3 moe_ffn / tp``) and the dispatcher's permuted buffers, the experts' input
+    and their output before the probability-weighted unpermute (``2h``). Plus the
+    router's fp32 logits and probabilities (``2 num_experts`` fp32, counted in elements of
+    ``model.dtype``)."""
+    copies = tp if tp > 1 and not m.sequence_parallel else 1
+    routed = m.moe_router_topk * copies
+    return (routed * (3 * m.moe_ffn_hidden_size / tp + 2 * m.hidden_size)
+            + 2 * m.num_experts * 4 / _BYTES[m.dtype])
 
 
 def activation_bytes(m: ModelConfig, tp: int, pp: int, inflight: int) -> float:
     """Stored activation elements per token of a micro-batch on the worst stage (times
     the dtype's bytes and the tokens gives bytes). Per layer without recompute: ``4h``
     outside the TP-split blocks (``/ tp`` with sequence parallelism) plus the q/k/v,
-    attention output, fc1 and SwiGLU outputs split over TP; flash attention keeps no
+    attention output, fc1 and SwiGLU outputs split over TP (an MoE layer: the routed
+    tokens' terms, ``moe_activation_elements``); flash attention keeps no
     [s, s] scores, so ``selective`` (core attention recomputed) changes nothing here.
     ``full``: each layer keeps only its input (``h``, ``/ tp`` with SP) for the micro-batches
     in flight, plus one chunk of ``recompute_num_layers`` layers re-run whole in the backward."""
     hd = head_dim(m)
     sp = tp if m.sequence_parallel and tp > 1 else 1
+    mlp = moe_activation_elements(m, tp) if m.num_experts else 3 * m.ffn_hidden_size / tp
     per_layer = 4 * m.hidden_size / sp + (
-        (m.num_attention_heads + 2 * m.num_query_groups) * hd + m.num_attention_heads * hd
-        + 3 * m.ffn_hidden_size) / tp
+        (m.num_attention_heads + 2 * m.num_query_groups) * hd + m.num_attention_heads * hd) / tp + mlp
     layers = m.num_layers // pp
     if m.recompute == "full":
         return m.hidden_size / sp * layers * inflight + per_layer * m.recompute_num_layers
@@ -211,20 +179,29 @@ def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = 80.0) -> Budget:
     m, p, r, o = cfg.model, cfg.parallel, cfg.rollout, cfg.optimizer
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     wb = _BYTES[m.dtype]
-    pc = count_params(m, tp, pp)
+    ep = layout.ep
+    pc = count_params(m, tp, pp, ep)
     n = pc.worst_stage
     b = Budget(gpu_gib=gpu_gib)
 
     dist_opt = o.use_distributed_optimizer and dp > 1
+    # Expert grads are reduced over the expert-DP group (the DP ranks holding the same
+    # experts), so a distributed optimizer shards expert state over dp / ep of them.
+    edp = dp // ep if dist_opt else 1
     # DistributedAdamW keeps an fp32 master slice even for fp32 weights (the weights are
     # all-gathered from it), so it is 12 B/param / dp in either dtype.
     master = wb < 4 or o.use_distributed_optimizer
     opt_bytes = 8 + (4 if master else 0)
-    b.trainer.append(Row("policy weights", n * wb / GiB, f"{n / 1e9:.2f}B params/GPU in {m.dtype}"))
+    dense, experts = pc.worst_stage_dense, pc.stage_experts
+    moe = (f" ({dense / 1e9:.2f}B dense + {experts / 1e9:.2f}B of {m.num_experts // ep} experts "
+           f"at EP {ep})") if m.num_experts else ""
+    b.trainer.append(Row("policy weights", n * wb / GiB, f"{n / 1e9:.2f}B params/GPU{moe} in {m.dtype}"))
     b.trainer.append(Row("gradients", n * 4 / GiB, "fp32 main grads"))
-    b.trainer.append(Row("optimizer", n * opt_bytes / (dp if dist_opt else 1) / GiB,
-                         f"Adam m, v{' + fp32 master' if master else ''} ({opt_bytes} B/param)"
-                         + (f", distributed over dp={dp}" if dist_opt else ", not sharded")))
+    opt_params = dense / (dp if dist_opt else 1) + experts / edp
+    shard = (f", distributed over dp={dp}" + (f" (experts over expert-dp={edp})" if m.num_experts else "")
+             if dist_opt else ", not sharded")
+    b.trainer.append(Row("optimizer", opt_params * opt_bytes / GiB,
+                         f"Adam m, v{' + fp32 master' if master else ''} ({opt_bytes} B/param)" + shard))
     ref_on = cfg.algorithm.kl_coef > 0
     offload = cfg.checkpoint.offload_reference
     b.trainer.append(Row("reference weights", n * wb / GiB if ref_on and not offload else 0.0,
@@ -247,16 +224,23 @@ def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = 80.0) -> Budget:
     etp = rollout_tp(cfg)
     b.engine_tp = etp
     share = r.gpu_memory_utilization * gpu_gib
-    ew = pc.total * wb / etp / GiB
+    replicas = max(layout.world // etp, 1)
+    # vLLM's MoE layers shard the experts over all ranks of its DP x TP ("flatten TP across
+    # DP", vllm FusedMoEParallelConfig): in external_launcher mode the engine replicas are
+    # vLLM's DP ranks, so the experts are split over the whole world; other modes run one
+    # engine per replica (DP 1) holding every expert on each of its TP shards.
+    engine_dp = replicas if r.engine_mode in ("auto", "external_launcher") else 1
+    ew = ((pc.total - pc.experts_total) / etp + pc.experts_total / (etp * engine_dp)) * wb / GiB
     kv = share - ew - ENGINE_OVERHEAD_GIB
     b.engine.append(Row("engine share", share, f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}"))
-    b.engine.append(Row("engine weights", ew, f"{m.dtype} at engine TP={etp}"))
+    b.engine.append(Row("engine weights", ew, f"{m.dtype} at engine TP={etp}"
+                        + (f", experts over TP x {engine_dp} engine replicas (vLLM's MoE TP spans its DP)"
+                           if m.num_experts else "")))
     b.engine.append(Row("engine overhead", ENGINE_OVERHEAD_GIB, "activations, sampler, CUDA graphs"))
     b.engine.append(Row("KV cache", max(kv, 0.0), "what remains of the share"))
     kv_per_token = 2 * m.num_layers * max(m.num_query_groups // etp, 1) * hd * wb
     b.kv_tokens = int(max(kv, 0.0) * GiB // kv_per_token)
     b.kv_seqs = b.kv_tokens // r.max_model_len
-    replicas = max(layout.world // etp, 1)
     b.seqs_per_engine = -(-layout.samples_per_step // replicas)
 
     resident = sum(x.gib for x in b.trainer[:4])
@@ -270,7 +254,7 @@ def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = 80.0) -> Budget:
 
 def report(cfg: Config, layout: Layout, budget: Budget, source: str = "") -> str:
     m, p, r = cfg.model, cfg.parallel, cfg.rollout
-    pc = count_params(m, layout.tp, layout.pp)
+    pc = count_params(m, layout.tp, layout.pp, layout.ep)
     tp_in_node = layout.gpus_per_node % layout.tp == 0
     mode = {"auto": "auto (colocated on GPU)", "external_launcher": "external_launcher (colocated in every rank)"
             }.get(r.engine_mode, r.engine_mode)
@@ -280,11 +264,21 @@ def report(cfg: Config, layout: Layout, budget: Budget, source: str = "") -> str
         f"{m.num_layers} layers, {m.num_attention_heads} heads / {m.num_query_groups} kv heads, "
         f"ffn {m.ffn_hidden_size}, vocab {m.vocab_size} (padded {pc.embedding // m.hidden_size}), "
         f"{m.dtype}",
-        f"layout: world {layout.world} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp} "
+    ]
+    if m.num_experts:
+        lines.append(f"  experts: {m.num_experts} per layer, top-{m.moe_router_topk}, expert ffn "
+                     f"{m.moe_ffn_hidden_size}; {pc.experts_total / 1e9:.2f}B in experts, "
+                     f"{pc.active(m) / 1e9:.2f}B active per token")
+    ep_note = (f" (ep {layout.ep} inside dp: expert-dp {layout.dp // layout.ep}; EP group "
+               f"{'inside one node' if layout.gpus_per_node % (layout.tp * layout.ep) == 0 else 'spans nodes'})"
+               if m.num_experts else "")
+    lines += [
+        f"layout: world {layout.world} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp}{ep_note} "
         f"on {layout.nodes} node(s) x {layout.gpus_per_node} GPUs; "
         f"TP group {'inside one node' if tp_in_node else 'SPANS NODES (slow)'}",
         f"  per GPU: {m.num_layers // layout.pp} layers, {m.num_attention_heads // layout.tp} heads, "
-        f"{max(m.num_query_groups // layout.tp, 1)} kv heads",
+        f"{max(m.num_query_groups // layout.tp, 1)} kv heads"
+        + (f", {m.num_experts // layout.ep} experts" if m.num_experts else ""),
         f"batch: {cfg.data.prompts_per_step} prompts x n {r.n} = {layout.samples_per_step} samples/step; "
         f"mini-batch {layout.mini_batch} -> {layout.samples_per_step // layout.mini_batch} optimizer "
         f"step(s) x {cfg.algorithm.ppo_epochs} epoch(s); per DP rank {layout.micro_batches} "
@@ -315,19 +309,25 @@ def report(cfg: Config, layout: Layout, budget: Budget, source: str = "") -> str
 def budget_paragraph(cfg: Config, layout: Layout, b: Budget) -> str:
     """The budget as one prose paragraph (written into the scale configs' comment block)."""
     m, p, r = cfg.model, cfg.parallel, cfg.rollout
-    n = count_params(m, layout.tp, layout.pp).worst_stage
+    n = count_params(m, layout.tp, layout.pp, layout.ep).worst_stage
     g = {x.name: x.gib for x in b.trainer + b.engine}
     shard = (f"sharded over dp {layout.dp}" if cfg.optimizer.use_distributed_optimizer and layout.dp > 1
              else "not sharded")
+    if m.num_experts:
+        n_note = (f"{n / 1e9:.2f}B parameters ({m.num_experts // layout.ep} of {m.num_experts} experts "
+                  f"per GPU at EP {layout.ep})")
+    else:
+        n_note = f"{n / 1e9:.2f}B parameters"
+    recompute = "no recompute" if m.recompute == "none" else f"recompute {m.recompute}"
     phase = "rollout" if b.rollout_phase_gib >= b.training_phase_gib else "training"
     return (
-        f"Memory per GPU (worst pipeline stage, {b.gpu_gib:g} GiB card, estimate): {n / 1e9:.2f}B "
-        f"parameters give {m.dtype} weights {g['policy weights']:.2f} GiB, fp32 gradients "
+        f"Memory per GPU (worst pipeline stage, {b.gpu_gib:g} GiB card, estimate): {n_note} "
+        f"give {m.dtype} weights {g['policy weights']:.2f} GiB, fp32 gradients "
         f"{g['gradients']:.2f}, Adam states with fp32 master {g['optimizer']:.2f} ({shard}), "
         f"reference copy {g['reference weights']:.2f}; training adds activations "
         f"{g['activations']:.2f} (micro-batch {p.micro_batch_size} x {layout.seq_len} tokens x "
-        f"{m.num_layers // layout.pp} layers x {min(layout.pp, layout.micro_batches)} in flight, no "
-        f"recompute) and logits {g['logits']:.2f}. The colocated vLLM engine gets "
+        f"{m.num_layers // layout.pp} layers x {min(layout.pp, layout.micro_batches)} in flight, "
+        f"{recompute}) and logits {g['logits']:.2f}. The colocated vLLM engine gets "
         f"{g['engine share']:.2f} GiB ({r.gpu_memory_utilization:g} of the GPU): weights "
         f"{g['engine weights']:.2f} at TP {b.engine_tp}, overhead {g['engine overhead']:.2f}, KV cache "
         f"{g['KV cache']:.2f} = {b.kv_tokens:,} tokens = {b.kv_seqs} sequences of {r.max_model_len} per "

@@ -44,6 +44,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
@@ -78,7 +79,7 @@ def build_tiny_hf_checkpoint(
     """Write a random tiny causal LM to ``out_dir``; returns ``out_dir``.
 
     Args:
-        family: "qwen2", "llama" or "qwen3_moe" (Qwen3-MoE: QK-norm, no biases, every
+        family: "qwen2", "llama", "qwen3" or "qwen3_moe" (Qwen3: QK-norm, no biases; MoE: every
             layer routed; head_dim = hidden_size // num_heads).
         vocab_size: defaults to the tokenizer's size (``len(tokenizer)``) when
             ``tokenizer_dir`` is given, else 512. May exceed the tokenizer's
@@ -96,15 +97,16 @@ def build_tiny_hf_checkpoint(
         seed: all weights are a function of (seed, shapes, names).
         init_std: std of the normal init of matrices and biases (norm
             weights are 1). Larger values give peakier, less uniform outputs.
-        moe: ``qwen3_moe`` only, its HF fields: ``num_experts`` (default 4),
-            ``num_experts_per_tok`` (2), ``moe_intermediate_size`` (``hidden_size``),
-            ``norm_topk_prob`` (True, as Qwen3-MoE).
+        moe: ``qwen3_moe`` only, HF names: ``num_experts``, ``num_experts_per_tok``,
+            ``moe_intermediate_size``, ``norm_topk_prob`` (defaults 4, 2, 2 x hidden, true).
+            The router gets std 1, so top-k choices are not near ties that the engine's
+            and megatron's float orders could break differently.
     """
     if family not in FAMILIES:
         raise ValueError(f"family={family!r}; choose one of {sorted(FAMILIES)}")
     tie = (family == "qwen2") if tie_word_embeddings is None else bool(tie_word_embeddings)
-    if family == "qwen3_moe" and qkv_bias:
-        raise ValueError("qwen3_moe has no q/k/v biases (qkv_bias must be False or None)")
+    if family in ("qwen3", "qwen3_moe") and qkv_bias:
+        raise ValueError(f"{family} has no q/k/v biases (qkv_bias must be False or None)")
     bias = (family == "qwen2") if qkv_bias is None else bool(qkv_bias)
     _check_shapes(family, hidden_size, num_heads, num_kv_heads, bias)
     special = _special_ids(tokenizer_dir)
@@ -124,12 +126,13 @@ def build_tiny_hf_checkpoint(
     )
     if family == "llama":
         kwargs["attention_bias"] = bias
+    if family in ("qwen3", "qwen3_moe"):
+        kwargs.update(head_dim=hidden_size // num_heads, attention_bias=False)
     if family == "qwen3_moe":
-        kwargs.update({"head_dim": hidden_size // num_heads, "num_experts": 4, "num_experts_per_tok": 2,
-                       "moe_intermediate_size": hidden_size, "norm_topk_prob": True,
-                       "decoder_sparse_step": 1, "mlp_only_layers": [], **(moe or {})})
+        kwargs.update(dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=2 * hidden_size,
+                           norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]), **(moe or {}))
     elif moe:
-        raise ValueError(f"moe={moe!r} is for family='qwen3_moe', not {family!r}")
+        raise ValueError(f"moe={moe} needs family='qwen3_moe', got {family!r}")
     config = config_cls(**kwargs)
     model = model_cls(config).to(torch.float32)
     _init_weights(model, seed, init_std)
@@ -191,6 +194,8 @@ def _check_shapes(family: str, hidden: int, heads: int, kv_heads: int, bias: boo
                          "CPU attention backend rejects it; use fewer heads or a wider model")
     if heads % kv_heads:
         raise ValueError(f"num_heads={heads} is not divisible by num_kv_heads={kv_heads}")
+    if family in ("qwen3", "qwen3_moe") and bias:
+        raise ValueError(f"{family} has no q/k/v biases (qkv_bias=True)")
     if family == "qwen2" and not bias:
         raise ValueError("qwen2 requires qkv_bias=True (vLLM's Qwen2 always has q/k/v biases)")
 
@@ -242,6 +247,8 @@ def _init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
         seen.add(id(param))
         if "norm" in name:
             param.fill_(1.0)
+        elif name.endswith("mlp.gate.weight"):  # an MoE router: std 1, no near-ties
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32))
         else:
             param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
 

@@ -121,7 +121,8 @@ def _model_shape_from_hf(cfg: Config) -> None:
     for f in ["family", "vocab_size", "hidden_size", "num_layers", "num_attention_heads",
               "num_query_groups", "head_dim", "ffn_hidden_size", "qkv_bias",
               "tie_embeddings", "norm_eps", "max_position_embeddings", *rope,
-              # the MoE shape too: without it a Qwen3-MoE checkpoint built a dense model
+              # the MoE shape too: a YAML's expert count or width that is not the checkpoint's
+              # would build a model the weights do not load into
               "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "norm_topk_prob"]:
         setattr(cfg.model, f, getattr(hf, f))
 

@@ -41,6 +41,7 @@ CONFIGS = {  # name: (file, world size, nodes of 8 GPUs)
     "llama3_8b": ("launch/configs/llama3_8b.yaml", 8, 1),
     "qwen2.5_32b": ("launch/configs/qwen2.5_32b.yaml", 32, 4),
     "llama3_70b": ("launch/configs/llama3_70b.yaml", 64, 8),
+    "qwen3_30b_a3b": ("launch/configs/qwen3_30b_a3b.yaml", 16, 2),
 }
 COLLECTIVE = "tests/scripts/launch_collective.py"
 
@@ -269,6 +270,29 @@ def test_scale_config_check_config_refuses_what_start_up_refuses(overrides):
         assert want != "ok"  # each of these is refused
     else:
         assert want == "ok", want  # the config as written starts (distributed optimizer included)
+
+
+@pytest.mark.parametrize("nodes, overrides, needle", [
+    (2, [], None),
+    (3, ["--parallel.dp=0", "--parallel.ep=12"], "model.num_experts=128 is not divisible by parallel.ep=12"),
+    (2, ["--parallel.ep=16"], "parallel.ep=16 must divide the data-parallel size 8"),
+    (2, ["--optimizer.use_distributed_optimizer=true"], "does not reduce expert grads over the expert-DP group"),
+], ids=["as-written", "ep-12-of-128-experts", "ep-16-over-dp-8", "grpo-distributed-optimizer"])
+def test_moe_check_config_refuses_an_ep_that_does_not_divide_the_experts(nodes, overrides, needle):
+    """Guards against ``--check-config`` passing an MoE layout the trainer cannot build:
+    Qwen3-30B-A3B on 3 nodes at EP 12 (12 divides the DP size 24/2 = 12 but not the 128
+    experts), EP 16 over 8 DP ranks, or the grpo distributed optimizer at EP > 1 (it would
+    reduce expert grads over the whole DP group). Each must exit 2 naming the field, and
+    agree with the trainer's start-up validation; the config as written passes."""
+    path = CONFIGS["qwen3_30b_a3b"][0]
+    want = _start_up_verdict(path, 8 * nodes, overrides)
+    r = run_script([TORCHRUN_SH, "--check-config", *overrides],
+                   launch_env(CONFIG=path, NNODES=str(nodes), NPROC_PER_NODE="8"))
+    if needle is None:
+        assert want == "ok" and r.returncode == 0 and "fits" in r.stdout, (want, r.stderr)
+        assert "ep 8 inside dp" in r.stdout and "16 experts" in r.stdout
+    else:
+        assert needle in want and r.returncode == 2 and want in r.stderr, (want, r.stderr)
 
 
 # --------------------------------------------------------------------- k8s manifest
