@@ -75,6 +75,7 @@ def build_tiny_hf_checkpoint(
     rms_norm_eps: float = 1e-6,
     init_std: float = 0.02,
     moe: dict | None = None,
+    router_init_std: float = 1.0,
 ) -> Path:
     """Write a random tiny causal LM to ``out_dir``; returns ``out_dir``.
 
@@ -99,8 +100,9 @@ def build_tiny_hf_checkpoint(
             weights are 1). Larger values give peakier, less uniform outputs.
         moe: ``qwen3_moe`` only, HF names: ``num_experts``, ``num_experts_per_tok``,
             ``moe_intermediate_size``, ``norm_topk_prob`` (defaults 4, 2, 2 x hidden, true).
-            The router gets std 1, so top-k choices are not near ties that the engine's
-            and megatron's float orders could break differently.
+        router_init_std: std of the MoE routers' normal init. The default 1 keeps top-k
+            choices away from near ties that the engine's and megatron's float orders could
+            break differently (tests); a small one (the demo's) starts from near-uniform routing.
     """
     if family not in FAMILIES:
         raise ValueError(f"family={family!r}; choose one of {sorted(FAMILIES)}")
@@ -135,7 +137,7 @@ def build_tiny_hf_checkpoint(
         raise ValueError(f"moe={moe} needs family='qwen3_moe', got {family!r}")
     config = config_cls(**kwargs)
     model = model_cls(config).to(torch.float32)
-    _init_weights(model, seed, init_std)
+    _init_weights(model, seed, init_std, router_init_std)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -237,7 +239,7 @@ def _rope_kwargs(rope_theta: float) -> dict:
 
 
 @torch.no_grad()
-def _init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
+def _init_weights(model: torch.nn.Module, seed: int, std: float, router_std: float = 1.0) -> None:
     """Deterministic init in sorted-name order (tied weights are drawn once)."""
     gen = torch.Generator().manual_seed(seed)
     seen: set[int] = set()
@@ -247,8 +249,8 @@ def _init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
         seen.add(id(param))
         if "norm" in name:
             param.fill_(1.0)
-        elif name.endswith("mlp.gate.weight"):  # an MoE router: std 1, no near-ties
-            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32))
+        elif name.endswith("mlp.gate.weight"):  # an MoE router
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * router_std)
         else:
             param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
 
