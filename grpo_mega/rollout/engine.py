@@ -274,7 +274,7 @@ class RolloutEngine:
             n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else 0,
             max_tokens=s.max_new_tokens, min_tokens=s.min_new_tokens, stop=list(s.stop) or None,
             stop_token_ids=list(s.stop_token_ids) or None, ignore_eos=s.ignore_eos,
-            seed=seed, logprobs=0, detokenize=True)
+            seed=seed, logprobs=0, detokenize=True, flat_logprobs=True)
 
     def generate(self, prompts: Sequence[Any], sampling: SamplingConfig | None = None, *,
                  step: int | None = None, prompt_offset: int = 0, progress: bool = False) -> RolloutBatch:
@@ -472,9 +472,12 @@ class RolloutEngine:
 
 
 def _sampled_logprobs(completion) -> list[float]:
-    """The logprob of each sampled token (``SamplingParams(logprobs=0)``
-    returns exactly the sampled token's entry per position)."""
-    lps = completion.logprobs
-    if lps is None or len(lps) != len(completion.token_ids):
+    """The logprob of each sampled token (``SamplingParams(logprobs=0)`` returns exactly the
+    sampled token's entry per position; ``flat_logprobs=True`` keeps them in one flat list
+    instead of a dict per token, which vLLM builds and we would walk per token)."""
+    lps, tokens = completion.logprobs, list(completion.token_ids)
+    if lps is None or len(lps) != len(tokens):
         raise RuntimeError("vLLM returned no per-token logprobs for a sample")
-    return [float(lps[t][tok].logprob) for t, tok in enumerate(completion.token_ids)]
+    if hasattr(lps, "token_ids") and lps.token_ids == tokens:  # FlatLogprobs, one entry per position
+        return list(lps.logprobs)
+    return [float(lps[t][tok].logprob) for t, tok in enumerate(tokens)]

@@ -68,9 +68,17 @@ class TrainingBatch:
         lens = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
         n = len(lens)
         s = -(-max(lens, default=1) // pad_to_multiple) * pad_to_multiple
-        tokens = torch.full((n, s), pad_id, dtype=torch.long)
-        mask = torch.zeros((n, s - 1), dtype=torch.bool)
+        # One tensor per field from flat host lists (not a tensor per row: that Python loop
+        # was most of the advantage stage).
+        tokens = torch.tensor([[*p, *r] + [pad_id] * (s - len(p) - len(r))
+                               for p, r in zip(prompt_ids, response_ids)], dtype=torch.long).reshape(n, s)
+        first = torch.tensor([len(p) - 1 for p in prompt_ids], dtype=torch.long).reshape(n, 1)
+        count = torch.tensor([len(r) for r in response_ids], dtype=torch.long).reshape(n, 1)
+        col = torch.arange(s - 1).reshape(1, s - 1)
+        mask = (col >= first) & (col < first + count)  # row-major: row i's response in order
         rlp = torch.zeros((n, s - 1), dtype=torch.float32)
+        rlp[mask] = torch.tensor([x for lp in rollout_logp for x in lp],
+                                 dtype=torch.float32)
         adv = torch.as_tensor(advantages, dtype=torch.float32)
         per_token = adv.dim() == 2
         if per_token:
@@ -79,14 +87,7 @@ class TrainingBatch:
                 raise ValueError(f"per-token advantages have shape {tuple(adv.shape)}; need [{n}, >= {longest}] "
                                  "(rows, longest response)")
             adv_tok = torch.zeros((n, s - 1), dtype=torch.float32)
-        for i, (p_ids, r_ids, lp) in enumerate(zip(prompt_ids, response_ids, rollout_logp)):
-            p, r = len(p_ids), len(r_ids)
-            tokens[i, :p + r] = torch.tensor(list(p_ids) + list(r_ids), dtype=torch.long)
-            mask[i, p - 1:p - 1 + r] = True
-            if r:
-                rlp[i, p - 1:p - 1 + r] = torch.tensor(list(lp), dtype=torch.float32)
-                if per_token:
-                    adv_tok[i, p - 1:p - 1 + r] = adv[i, :r]
+            adv_tok[mask] = adv[torch.arange(adv.shape[1]).reshape(1, -1) < count]
         adv = adv_tok if per_token else adv.reshape(n)
         tokens = tokens.to(device)
         return cls(tokens=tokens, targets=tokens[:, 1:], loss_mask=mask.to(device),
