@@ -10,7 +10,7 @@ pattern can: every parallel axis above 1 (``parallel.tp``, ``parallel.pp``,
 per replica (``rollout.tp``) keep their ratio to ``parallel.tp`` (an engine spanning several
 TP groups spans two), so the job runs at a world of at
 most 8 with the same kinds of groups (TP, PP, DP, engine blocks that cross megatron's
-replicas). The model keeps its family and the config's engine mode, KL and loss settings,
+replicas; an MoE model gets one engine over the whole world, as vLLM's CPU build needs). The model keeps its family and the config's engine mode, KL and loss settings,
 at tiny widths: a random checkpoint (head_dim 32, heads and KV heads divisible by both TPs,
 two layers per stage; an MoE model 4 experts, top-2 at most) on the packaged demo tokenizer,
 data and exact-match reward, 2 steps.
@@ -38,16 +38,21 @@ def shrink_axis(size: int) -> int:
     return 2 if size > 1 else 1
 
 
-def shrink_layout(tp: int, pp: int, dp: int, etp: int, ep: int = 1) -> dict[str, int]:
+def shrink_layout(tp: int, pp: int, dp: int, etp: int, ep: int = 1, moe: bool = False) -> dict[str, int]:
     """The shrunk ``parallel.tp/pp/dp/ep`` and ``rollout.tp`` (engine ranks per replica kept in
     ratio to the trainer's TP, at least 1; an engine of several TP groups spans two) and
     the world they fill. EP is an axis too (it
-    lies inside DP, so an EP above 1 needs DP above 1 and both become 2)."""
+    lies inside DP, so an EP above 1 needs DP above 1 and both become 2). ``moe``: one
+    engine over the whole shrunk world, the only MoE engine layout vLLM's CPU build runs."""
     t, p, d = shrink_axis(tp), shrink_axis(pp), shrink_axis(dp)
     # An engine spanning several trainer TP groups (Qwen3-30B-A3B: TP 1, engine TP 8) spans
     # two of them; one inside a TP group keeps its ratio to it.
     e = t * shrink_axis(etp // tp) if etp >= tp else max(1, etp * t // tp)
     world = t * p * d
+    if moe:
+        # MoE engine replicas side by side need vLLM's data-parallel MoE dispatch
+        # (all_gatherv), which its CPU communicator lacks (start-up refuses that layout)
+        e = world
     if world % e:
         raise ConfigError(f"rollout.tp={etp} at parallel.tp={tp} shrinks to {e}, which does not "
                           f"divide the shrunk world {world}")
@@ -111,7 +116,7 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(args.config, overrides)
         layout = shrink_layout(cfg.parallel.tp, cfg.parallel.pp, max(cfg.parallel.dp, 1), rollout_tp(cfg),
-                               cfg.parallel.ep)
+                               cfg.parallel.ep, moe=bool(cfg.model.num_experts))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

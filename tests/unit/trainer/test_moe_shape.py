@@ -47,8 +47,9 @@ def test_moe_scale_config_shrinks_to_a_consistent_ep_layout(tmp_path):
     dropped (the scale config's expert parallelism never run), an engine of 8 ranks in a
     world of 4 (TP 1 with engine TP 8 kept "in ratio"), or a YAML whose experts are the
     scale model's (128) while the tiny checkpoint has 4. Qwen3-30B-A3B (TP1 x PP2 x DP8,
-    EP8, engine TP 8) shrinks to TP1 x PP2 x DP2, EP2, engines of 2 ranks (still spanning
-    two trainer TP groups), and the shrunk YAML passes start-up validation at world 4."""
+    EP8, engine TP 8) shrinks to TP1 x PP2 x DP2, EP2, one engine over all 4 ranks (the only
+    MoE engine layout vLLM's CPU build runs), and the shrunk YAML passes start-up validation
+    at world 4, this machine's checks included."""
     sys.path.insert(0, str(REPO))
     from grpo_mega.config import load_config
     from grpo_mega.models.hf_config import model_config_from_hf
@@ -58,7 +59,7 @@ def test_moe_scale_config_shrinks_to_a_consistent_ep_layout(tmp_path):
     assert shrink_config.main(["--config", str(CONFIG_30B), "--out", str(tmp_path)]) == 0
     cfg = load_config(str(tmp_path / "config.yaml"))
     p = cfg.parallel
-    assert (p.tp, p.pp, p.dp, p.ep, cfg.rollout.tp) == (1, 2, 2, 2, 2)
+    assert (p.tp, p.pp, p.dp, p.ep, cfg.rollout.tp) == (1, 2, 2, 2, 4)
     hf = model_config_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))
     assert hf.family == "qwen3_moe" and hf.num_experts == cfg.model.num_experts == 4
     assert hf.moe_router_topk == cfg.model.moe_router_topk == 2
