@@ -45,18 +45,26 @@ def shrink_layout(tp: int, pp: int, dp: int, etp: int, ep: int = 1, moe: bool = 
     lies inside DP, so an EP above 1 needs DP above 1 and both become 2). ``moe``: one
     engine over the whole shrunk world, the only MoE engine layout vLLM's CPU build runs."""
     t, p, d = shrink_axis(tp), shrink_axis(pp), shrink_axis(dp)
-    # An engine spanning several trainer TP groups (Qwen3-30B-A3B: TP 1, engine TP 8) spans
-    # two of them; one inside a TP group keeps its ratio to it.
-    e = t * shrink_axis(etp // tp) if etp >= tp else max(1, etp * t // tp)
     world = t * p * d
     if moe:
         # MoE engine replicas side by side need vLLM's data-parallel MoE dispatch
         # (all_gatherv), which its CPU communicator lacks (start-up refuses that layout)
         e = world
+    elif etp >= tp:
+        # An engine spanning several trainer TP groups (TP 1, engine TP 8) spans two of them
+        e = t * shrink_axis(etp // tp)
+    else:  # one inside a TP group keeps its ratio to it
+        e = max(1, etp * t // tp)
     if world % e:
         raise ConfigError(f"rollout.tp={etp} at parallel.tp={tp} shrinks to {e}, which does not "
                           f"divide the shrunk world {world}")
     return {"tp": t, "pp": p, "dp": d, "ep": shrink_axis(ep), "rollout_tp": e, "world": world}
+
+
+def shrink_config_layout(cfg) -> dict[str, int]:
+    """``shrink_layout`` of a loaded scale config."""
+    return shrink_layout(cfg.parallel.tp, cfg.parallel.pp, max(cfg.parallel.dp, 1), rollout_tp(cfg),
+                         cfg.parallel.ep, moe=bool(cfg.model.num_experts))
 
 
 TINY_EXPERTS = 4
@@ -115,8 +123,7 @@ def main(argv=None) -> int:
     args, overrides = p.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides)
-        layout = shrink_layout(cfg.parallel.tp, cfg.parallel.pp, max(cfg.parallel.dp, 1), rollout_tp(cfg),
-                               cfg.parallel.ep, moe=bool(cfg.model.num_experts))
+        layout = shrink_config_layout(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

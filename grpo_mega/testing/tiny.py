@@ -107,8 +107,6 @@ def build_tiny_hf_checkpoint(
     if family not in FAMILIES:
         raise ValueError(f"family={family!r}; choose one of {sorted(FAMILIES)}")
     tie = (family == "qwen2") if tie_word_embeddings is None else bool(tie_word_embeddings)
-    if family in ("qwen3", "qwen3_moe") and qkv_bias:
-        raise ValueError(f"{family} has no q/k/v biases (qkv_bias must be False or None)")
     bias = (family == "qwen2") if qkv_bias is None else bool(qkv_bias)
     _check_shapes(family, hidden_size, num_heads, num_kv_heads, bias)
     special = _special_ids(tokenizer_dir)

@@ -7,8 +7,7 @@ layout's step time):
 * a TP=1 single-process reference run;
 * world 4: TP1 x PP2 x DP2, TP2 x PP2, TP1 x DP4, and TP1 x PP2 x DP2 with ``rollout.tp=2``
   (engine blocks {0,1},{2,3} cross megatron's replicas {0,2},{1,3});
-* every config in launch/configs/ shrunk by ``launch/torchrun.sh --shrink`` (world 4 or 8),
-  except the MoE one (``SHRINK_EXCLUDED`` says why).
+* every config in launch/configs/ shrunk by ``launch/torchrun.sh --shrink`` (world 4 or 8).
 
 Cost on 2 shared cores: about 2.5-3 minutes per world-4 launch (mostly imports and engine
 start), 1 minute for the reference, 4-6 minutes per world-8 launch.
@@ -104,14 +103,9 @@ def test_loop_at_world_4_matches_the_unsharded_run(name, reference, tmp_path):
 
 
 SCALE_CONFIGS = sorted((REPO / "launch" / "configs").glob("*.yaml"))
-SHRINK_EXCLUDED: dict[str, str] = {}
-"""Scale configs whose shrunk job cannot run here, with the reason (none today; the MoE
-config runs with one engine over the world, see tools/shrink_config.py)."""
 
 
-@pytest.mark.parametrize("config", [
-    pytest.param(p, marks=pytest.mark.skip(reason=SHRINK_EXCLUDED[p.stem])) if p.stem in SHRINK_EXCLUDED else p
-    for p in SCALE_CONFIGS], ids=[p.stem for p in SCALE_CONFIGS])
+@pytest.mark.parametrize("config", SCALE_CONFIGS, ids=[p.stem for p in SCALE_CONFIGS])
 def test_scale_config_runs_shrunk_for_two_steps(config, tmp_path):
     """Guards against a scale config that cannot start: its layout, engine placement and
     settings must run end to end, shrunk by ``launch/torchrun.sh --shrink`` to the same
@@ -119,12 +113,11 @@ def test_scale_config_runs_shrunk_for_two_steps(config, tmp_path):
     keep their ratio to TP, the model family kept at tiny widths) for 2 steps, engine in
     sync with the trainer after the update (the configs' distributed optimizer included)."""
     sys.path.insert(0, str(REPO))
-    from grpo_mega.config import load_config, rollout_tp
-    from tools.shrink_config import shrink_layout
+    from grpo_mega.config import load_config
+    from tools.shrink_config import shrink_config_layout
 
     cfg = load_config(str(config))
-    want = shrink_layout(cfg.parallel.tp, cfg.parallel.pp, max(cfg.parallel.dp, 1), rollout_tp(cfg),
-                         cfg.parallel.ep, moe=bool(cfg.model.num_experts))
+    want = shrink_config_layout(cfg)
     env = dict(ENV, CONFIG=str(config.relative_to(REPO)), SHRINK_DIR=str(tmp_path))
     for k in ("NNODES", "NODE_RANK", "NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         env.pop(k, None)

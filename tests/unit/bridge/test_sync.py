@@ -227,6 +227,15 @@ def _max_diff(a, b) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
+def _assert_engine_matches_trainer(rig, trainer) -> None:
+    """The engine's prompt log-probs equal the trainer's ``trainer`` ones, and so do the
+    log-probs of tokens the engine samples after a 4-token prefix, within TOL."""
+    assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), trainer) <= TOL
+    samples = _engine_samples(rig.engine.llm, [s[:4] for s in SEQS])
+    ours = _trainer_logprobs(rig, [s[:4] + toks for s, (toks, _) in zip(SEQS, samples)])
+    assert _max_diff([lp for _, lp in samples], [o[3:] for o in ours]) <= TOL
+
+
 class Recording:
     """Wraps a protocol engine; records buckets and calls, can drop one tensor from every update."""
 
@@ -281,10 +290,7 @@ def test_sync_after_training_step_makes_vllm_logprobs_match_trainer(rig):
     assert (stats.tensors, stats.verified_tensors, engine.resets, engine.probes) == (len(hf), len(hf), 1, 1)
     hf_bytes = sum(t.numel() * t.element_size() for t in hf.values())
     assert stats.bytes == hf_bytes  # vocabulary padding and the tied lm_head are not sent
-    assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), trainer) <= TOL
-    samples = _engine_samples(rig.engine.llm, [s[:4] for s in SEQS])
-    ours = _trainer_logprobs(rig, [s[:4] + toks for s, (toks, _) in zip(SEQS, samples)])
-    assert _max_diff([lp for _, lp in samples], [o[3:] for o in ours]) <= TOL
+    _assert_engine_matches_trainer(rig, trainer)
 
 
 @pytest.mark.vllm
@@ -361,10 +367,7 @@ def test_moe_expert_sync_in_one_unit_buckets_matches_trainer(rig):
     assert [len(b) for b in experts] == [12, 12] and all(len(_expert_names(b)) == 12 for b in experts)
     assert (stats.tensors, stats.verified_tensors) == (len(hf), len(hf))
     assert stats.buckets == len(engine.buckets) > 10
-    assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), trainer) <= TOL
-    samples = _engine_samples(rig.engine.llm, [s[:4] for s in SEQS])
-    ours = _trainer_logprobs(rig, [s[:4] + toks for s, (toks, _) in zip(SEQS, samples)])
-    assert _max_diff([lp for _, lp in samples], [o[3:] for o in ours]) <= TOL
+    _assert_engine_matches_trainer(rig, trainer)
 
 
 @pytest.mark.vllm
