@@ -149,9 +149,19 @@ class RolloutEngine:
         self.calls: collections.deque[str] = collections.deque(maxlen=256)
         self.llm = None
         self.startup_seconds = 0.0
+        self.shm_job_id: str | None = None
+        """The id in this engine's /dev/shm segment names (CPU, TP >= 2), else None."""
         # vLLM's CPU worker replaces torch.set_num_threads in its process;
         # shutdown() puts the original back.
         self._set_num_threads = torch.set_num_threads
+        if self.on_cpu and self.mode == "external_launcher" and len(self._replica_ranks) > 1:
+            # vLLM's CPU TP engines share memory through /dev/shm segments whose names are
+            # the same for every job on the machine; a killed job's leftovers made every
+            # later engine fail at start (errno 17). See rollout/cpu_shm.py.
+            from grpo_mega.rollout import cpu_shm
+            cpu_shm.clear_stale_segments()
+            self.shm_job_id = cpu_shm.agreed_job_id()
+            cpu_shm.job_scoped_names(self.shm_job_id)
         if self.holds_engine:
             start = time.perf_counter()
             self.llm = self._build_llm()

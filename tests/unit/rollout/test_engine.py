@@ -416,11 +416,26 @@ def _external_launcher_rank(rank, world, art):
 
     from safetensors.torch import load_file
 
+    import torch.distributed as dist
+
+    from grpo_mega.rollout import cpu_shm
+
     replica, _ = _trainer_groups(rank)
+    # What a SIGKILLed TP=2 engine leaves behind: its segments under vLLM's own name (the
+    # same for every job, which made the next engine fail with errno 17) and under ours.
+    planted = [cpu_shm.SHM_DIR / "-tp:0-[0-1]-cpushm_0", cpu_shm.SHM_DIR / "grpo-deadbeef--tp:0-[0-1]-cpushm_0"]
+    if rank == 0:
+        for p in planted:
+            p.write_bytes(b"\0" * 4096)
+    dist.barrier()
     start = time.perf_counter()
     eng = RolloutEngine(EngineConfig(art["llama_a"], mode="external_launcher", max_model_len=256),
                         SamplingConfig(n=2, max_new_tokens=12, seed=5), replica_group=replica)
     startup = time.perf_counter() - start
+    shm = {"job": eng.shm_job_id, "live": [p.name for p in cpu_shm.segments_of(eng.shm_job_id)],
+           "planted_left": [p.name for p in planted if p.exists()]}
+    for p in planted:  # (the test leaves nothing behind even where the engine did not clear them)
+        p.unlink(missing_ok=True)
     prompts = prompt_ids(art["tok_llama"])
     first = eng.generate_for_replica(prompts, step=0)
     vllm_tok = eng.llm.get_tokenizer()
@@ -431,13 +446,16 @@ def _external_launcher_rank(rank, world, art):
     after = _trainer_collectives_after(rank, replica)
     eng.shutdown()  # last: vLLM's teardown destroys the default process group
     return {"first": first.to_dict(), "second": second.to_dict(), "encodings": encodings,
-            "collectives": after, "startup": startup, "update": seconds}
+            "collectives": after, "startup": startup, "update": seconds, "shm": shm}
 
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed")
 def test_external_launcher_tp2_engine_coexists_with_trainer_collectives(artifacts):
-    """Every rank builds the engine (vLLM TP=2 over the trainer's replica);
+    """Restart after a kill: a leaked /dev/shm segment of a SIGKILLed TP=2 engine (vLLM's
+    CPU communicator names them the same for every job) made every later engine fail at
+    start with errno 17; it must be cleared, and this job's segments named after the job.
+    Every rank builds the engine (vLLM TP=2 over the trainer's replica);
     both ranks get the same samples, weights update in place from full HF
     tensors (vLLM slices its shard), the SentencePiece-style tokenizer loads
     in vLLM unchanged, and the trainer's gloo collectives still work."""
@@ -455,6 +473,14 @@ def test_external_launcher_tp2_engine_coexists_with_trainer_collectives(artifact
     sp = SentencePieceTokenizer(Path(artifacts["tok_llama"]) / "sp.model")
     assert r0["encodings"] == [sp.encode(s) for s in TOKENIZER_PROBES]
     assert r0["collectives"] == r1["collectives"] == [3.0, 10.0, 1.0]
+    # restart after a kill: a killed engine's segments (vLLM's shared name and ours) are
+    # removed before the start; this job's own segments carry one id that every rank agrees
+    # on, and are gone once the engines exit.
+    assert r0["shm"]["job"] == r1["shm"]["job"] and r0["shm"]["job"]
+    assert r0["shm"]["planted_left"] == r1["shm"]["planted_left"] == [], r0["shm"]
+    assert r0["shm"]["live"] and all("cpushm" in n for n in r0["shm"]["live"]), r0["shm"]
+    from grpo_mega.rollout import cpu_shm
+    assert list(cpu_shm.segments_of(r0["shm"]["job"])) == []  # unlinked when the engines exited
 
 
 def _child_rank(rank, world, art, prompts, sampling):

@@ -1,0 +1,43 @@
+"""vLLM's CPU shared-memory segments: stale ones cleared, live ones kept, names job-scoped."""
+from __future__ import annotations
+
+import mmap
+import subprocess
+import sys
+import time
+
+from grpo_mega.rollout import cpu_shm
+
+
+def test_restart_clears_only_segments_no_live_process_maps(tmp_path):
+    """Guards against a leaked shm segment of a killed engine blocking the restart (errno 17)
+    and against the opposite bug, unlinking the segments of a job that is still running:
+    of two ``*cpushm*`` files, the one a live process maps must stay, the other must go."""
+    live, dead, other = tmp_path / "-tp:0-[0-1]-cpushm_0", tmp_path / "-tp:0-[0-1]-cpushm_1", tmp_path / "x"
+    for p in (live, dead, other):
+        p.write_bytes(b"\0" * mmap.PAGESIZE)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import mmap,sys,time\n"
+         f"f=open({str(live)!r},'r+b'); m=mmap.mmap(f.fileno(), 0); f.close()\n"
+         "print('mapped', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        assert [p.name for p in cpu_shm.stale_segments(tmp_path)] == [dead.name]
+        assert cpu_shm.clear_stale_segments(tmp_path) == [dead.name]
+        assert live.exists() and other.exists() and not dead.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    deadline = time.time() + 5
+    while live.exists() and time.time() < deadline:  # its owner is dead now: stale
+        cpu_shm.clear_stale_segments(tmp_path)
+    assert not live.exists() and other.exists()
+
+
+def test_restart_segment_names_are_job_scoped_and_valid_posix_shm_names():
+    """Guards against two jobs on one machine sharing segment names (vLLM's ``env://``
+    identifier gives every job ``//-tp:0-[0-1]-cpushm``), and against a scoped name that
+    keeps vLLM's slashes, which ``shm_open`` refuses."""
+    a = cpu_shm.scoped_name("0a1b2c3d", "//-tp:0-[0-1]-cpushm")
+    b = cpu_shm.scoped_name("ffff0000", "//-tp:0-[0-1]-cpushm")
+    assert a != b and "/" not in a and a.startswith("grpo-0a1b2c3d-") and a.endswith("-tp:0-[0-1]-cpushm")
