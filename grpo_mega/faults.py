@@ -4,7 +4,9 @@
 
 ``point`` is where the hook sits (``POINTS``); ``action`` is ``raise`` (default: a
 ``FaultInjected`` error), ``kill`` (SIGKILL this process, no cleanup, as an OOM killer
-or a lost node would) or ``nan`` (the caller poisons a gradient; only ``update`` uses it).
+or a lost node would), ``nan`` (the caller poisons a gradient; only ``update`` uses it) or
+``hold`` (print the line and stop here for good, so that a test can SIGKILL the whole job
+from outside, torchrun and every rank at once, while this rank is at the point).
 ``k`` counts within the point where it has a count (``bridge.sync``: after the k-th
 bucket; default 1). ``@rank`` limits it to one global rank; ``#N`` to step N, ``#N+``
 to step N and every later one. Examples::
@@ -13,6 +15,7 @@ to step N and every later one. Examples::
     GRPO_MEGA_FAULT=bridge.sync:kill:2          # die after the 2nd bucket of a weight sync
     GRPO_MEGA_FAULT=update:nan#3+               # NaN gradients from step 3 on
     GRPO_MEGA_FAULT=step:kill@1#3               # rank 1 dies as step 3 starts
+    GRPO_MEGA_FAULT=checkpoint.rotate:hold@0#3  # rank 0 stops mid-rotation of keep_last
 
 The variable is read once, at import; unset, ``fault_point`` is one comparison. This
 module imports nothing of ours, so every part of the package may call it.
@@ -21,11 +24,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import Optional
 
-POINTS = ("step", "rollout.generate", "reward.score", "update", "bridge.sync", "checkpoint.save")
-ACTIONS = ("raise", "kill", "nan")
+POINTS = ("step", "rollout.generate", "reward.score", "update", "bridge.sync", "checkpoint.save",
+          "checkpoint.rotate")
+ACTIONS = ("raise", "kill", "nan", "hold")
 ENV = "GRPO_MEGA_FAULT"
 
 
@@ -103,6 +108,9 @@ def fault_point(point: str, k: int = 1) -> bool:
     print(f"[grpo] fault injected: {f.action} at {where}", flush=True)
     if f.action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if f.action == "hold":
+        while True:
+            time.sleep(3600)
     if f.action == "nan":
         return True
     raise FaultInjected(f"fault injected at {where} by {ENV}")

@@ -30,6 +30,9 @@ def _worker(rank, world_size, port, fn, args, queue, backend="gloo"):
     import torch
     import torch.distributed as dist
 
+    from grpo_mega import lifeline
+
+    lifeline.watch_parent("test process", label=f"test rank {rank}")  # no orphan outlives pytest
     torch.set_num_threads(1)
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size,

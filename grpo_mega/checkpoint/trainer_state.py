@@ -15,7 +15,8 @@ Atomicity: every rank writes into ``step_XXXXXXXX.tmp``; after a barrier rank 0
 renames it to ``step_XXXXXXXX`` and only then replaces the ``latest`` pointer
 (write-to-temp + ``os.replace``). A run killed at any point leaves ``latest``
 naming a complete checkpoint; stale ``.tmp`` directories are removed by the next
-save.
+save. ``keep_last`` rotation renames an old checkpoint to ``.deleting`` before deleting
+it, so a kill mid-rotation never leaves a half-deleted ``step_*`` behind.
 """
 from __future__ import annotations
 
@@ -146,7 +147,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: Pa
     tmp = root / f"step_{step:08d}.tmp"
     if ps.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob("*.tmp"):
+        for stale in [*root.glob("*.tmp"), *root.glob("*.deleting")]:
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier()
@@ -173,9 +174,16 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: Pa
         pointer_tmp = root / "latest.tmp"
         pointer_tmp.write_text(final.name + "\n")
         os.replace(pointer_tmp, root / "latest")
-        done = sorted(p for p in root.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for old in done[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        done = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
+        # Renamed first (atomic), then deleted: a kill mid-rotation leaves ``*.deleting``
+        # directories, never a half-deleted ``step_*`` that looks complete; the next save
+        # removes them.
+        for i, old in enumerate(done[:-keep_last] if keep_last > 0 else []):
+            gone = old.with_name(old.name + ".deleting")
+            os.rename(old, gone)
+            if i == 0:
+                fault_point("checkpoint.rotate")
+            shutil.rmtree(gone, ignore_errors=True)
     _barrier()
     return final
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Mapping, Sequence
 
+from grpo_mega import lifeline
 from grpo_mega.rewards.registry import RewardFn, RewardSpec, check_reward_kwargs, resolve_reward
 from grpo_mega.rewards.steps import StepScores
 
@@ -140,6 +141,9 @@ def _warm_up(specs: Sequence[RewardSpec], fns: Sequence[RewardFn]) -> None:
 
 
 def _worker_main(conn: Connection, specs: Sequence[RewardSpec]) -> None:
+    # A worker busy in a scorer never reads the pipe's EOF: without this it outlived a
+    # rank killed by the OOM killer.
+    lifeline.watch_parent("trainer rank", label="reward worker")
     try:
         fns = [resolve_reward(s.name) for s in specs]
         _warm_up(specs, fns)

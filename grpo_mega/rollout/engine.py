@@ -73,7 +73,7 @@ import torch
 
 from grpo_mega.data import shard_for_replica
 from grpo_mega.rollout.types import EngineConfig, RolloutBatch, SamplingConfig, logprobs_mode_for
-from grpo_mega.rollout.worker import write_weight_file
+from grpo_mega.rollout.worker import clear_dead_weight_files, write_weight_file
 
 __all__ = ["RolloutEngine", "resolve_engine_mode"]
 
@@ -162,6 +162,8 @@ class RolloutEngine:
             cpu_shm.clear_stale_segments()
             self.shm_job_id = cpu_shm.agreed_job_id()
             cpu_shm.job_scoped_names(self.shm_job_id)
+        if self.mode == "child" and self.holds_engine and os.path.isdir(engine.shm_dir):
+            clear_dead_weight_files(engine.shm_dir)  # a killed job's transport files
         if self.holds_engine:
             start = time.perf_counter()
             self.llm = self._build_llm()

@@ -261,6 +261,35 @@ def _probe_one(model, packed: dict, shared: dict, name: str, rows, cols, cache: 
     return [{"rows": None, "cols": None, "values": _plain(t)}]
 
 
+def clear_dead_weight_files(shm_dir: str = "/dev/shm") -> list[str]:
+    """Remove weight files whose writer (the pid in their name) is no longer alive: a trainer
+    SIGKILLed mid-sync in ``child`` mode never reaches the ``finally`` that unlinks its file,
+    and each such file holds a bucket of weights in RAM until the machine reboots."""
+    removed = []
+    for name in os.listdir(shm_dir):
+        if not name.startswith(WEIGHT_FILE_PREFIX):
+            continue
+        pid = name[len(WEIGHT_FILE_PREFIX):].split("_", 1)[0]
+        if not pid.isdigit() or _pid_alive(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def write_weight_file(named_tensors: Sequence[tuple[str, torch.Tensor]], shm_dir: str = "/dev/shm"
                       ) -> Iterator[str]:
@@ -274,7 +303,9 @@ def write_weight_file(named_tensors: Sequence[tuple[str, torch.Tensor]], shm_dir
         raise RuntimeError(f"weight update needs {need / 2**30:.2f} GiB in {shm_dir} but only "
                            f"{free / 2**30:.2f} GiB are free; send smaller buckets or enlarge "
                            "/dev/shm (docker: --shm-size)")
-    fd, path = tempfile.mkstemp(prefix=WEIGHT_FILE_PREFIX, suffix=".safetensors", dir=shm_dir)
+    # The writer's pid in the name: a file left by a killed trainer is recognisably dead.
+    fd, path = tempfile.mkstemp(prefix=f"{WEIGHT_FILE_PREFIX}{os.getpid()}_", suffix=".safetensors",
+                                dir=shm_dir)
     os.close(fd)
     try:
         write_safetensors(path, named_tensors)

@@ -63,6 +63,8 @@ class Trainer:
     eval_initial: Optional[float] = None
     eval_last: Optional[float] = None
     started: float = field(default_factory=time.time)
+    locks: list = field(default_factory=list)
+    """The run-directory locks this job holds (global rank 0 only); released by ``close``."""
 
     @property
     def pad_id(self) -> int:
@@ -104,6 +106,8 @@ class Trainer:
                 pass
         from grpo_mega.distributed.state import destroy_parallel
         destroy_parallel()
+        for lock in self.locks:
+            lock.release()
 
 
 # ---------------------------------------------------------------------------- build
@@ -175,6 +179,39 @@ def preflight(cfg: Config, world: int) -> Preflight:
     return Preflight(tok, dataset, eval_set, ckpt_dir, resume_checkpoint(ckpt_dir, cfg.checkpoint.resume))
 
 
+def _claim_run(cfg: Config, ps: ParallelState, ckpt_dir: Path, say) -> tuple[list, Optional[Path]]:
+    """Collective. Global rank 0 takes the run directory's lock (and the checkpoint
+    directory's, when it lies elsewhere), then decides the checkpoint to resume from; every
+    rank receives that decision. Without the lock two jobs wrote one directory; without
+    the broadcast two ranks resumed from different steps (each read ``latest`` while the
+    other job was rotating checkpoints). A second live job fails on every rank, naming
+    the holder."""
+    from grpo_mega.checkpoint.run_lock import RunDirectoryLocked, RunLock
+    from grpo_mega.checkpoint.trainer_state import resume_checkpoint
+
+    locks: list = []
+    decision: list = [None, None]  # [error message, checkpoint path]
+    if ps.rank == 0:
+        run_dir = Path(cfg.logging.run_dir).resolve()
+        dirs = [run_dir] + ([] if ckpt_dir.resolve().is_relative_to(run_dir) else [ckpt_dir.resolve()])
+        try:
+            for d in dirs:
+                locks.append(RunLock.acquire(d))
+                if locks[-1].taken_over():
+                    say(f"{d}: {locks[-1].taken_over()}")
+            found = resume_checkpoint(ckpt_dir, cfg.checkpoint.resume)
+            decision = [None, None if found is None else str(found)]
+        except RunDirectoryLocked as e:
+            decision = [str(e), None]
+    if ps.world_size > 1:
+        dist.broadcast_object_list(decision, src=0)
+    if decision[0] is not None:
+        for lock in locks:
+            lock.release()
+        raise RunDirectoryLocked(decision[0])
+    return locks, None if decision[1] is None else Path(decision[1])
+
+
 def build_trainer(argv=None) -> Trainer:
     cfg = cli_config(argv)
     # Again here for callers other than ``python -m grpo_mega.train`` and for a YAML
@@ -189,6 +226,7 @@ def build_trainer(argv=None) -> Trainer:
                        timeout_minutes=cfg.parallel.timeout_minutes)
     say = (lambda m: console.write(f"[grpo] {m}")) if ps.rank == 0 else (lambda m: None)
     say(f"world {ps.world_size}: tp {ps.tp} x pp {ps.pp} x dp {ps.dp} on {ps.device}")
+    locks, latest = _claim_run(cfg, ps, ckpt_dir, say)  # before anything is built or written
     say(f"data: {len(dataset)} train prompts ({dataset.num_skipped_too_long} skipped as too long), "
         f"{len(eval_set)} eval prompts")
 
@@ -219,7 +257,6 @@ def build_trainer(argv=None) -> Trainer:
         optimizer.opt, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
 
     from grpo_mega.checkpoint import load_checkpoint
-    latest = pre.resume_from
     meta = None
     if latest is not None:
         say(f"resuming from {latest}")
@@ -270,7 +307,7 @@ def build_trainer(argv=None) -> Trainer:
                            wandb=cfg.logging.wandb, total_steps=cfg.algorithm.steps, config=to_dict(cfg))
     t = Trainer(cfg=cfg, ps=ps, model=model, ref=ref, optimizer=optimizer, scheduler=scheduler,
                 tokenizer=tok, dataset=dataset, eval_set=eval_set, engine=engine, bridge=bridge,
-                scorer=scorer, sink=sink, ckpt_dir=ckpt_dir)
+                scorer=scorer, sink=sink, ckpt_dir=ckpt_dir, locks=locks)
     if meta is not None:
         t.step, t.eval_initial, t.eval_last = meta["step"], meta.get("eval_initial"), meta.get("eval_last")
         t.ref_reset_step = meta.get("ref_reset_step")

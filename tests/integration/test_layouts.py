@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests import REPO
 
@@ -66,6 +67,15 @@ def _run(cmd: list[str], timeout: int, env: dict | None = None) -> subprocess.Co
     return r
 
 
+UNINTERRUPTED: dict[str, Path] = {}
+"""Run directories of the layout runs above, for the kill test to compare against."""
+
+
+def _world4(run: Path, overrides: list[str], *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+            "-m", "grpo_mega.train", *_args(run), *overrides, *extra]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> tuple[dict[int, dict], dict]:
     """Step metrics and summary of the unsharded run (one process, TP=1)."""
@@ -86,8 +96,8 @@ def test_loop_at_world_4_matches_the_unsharded_run(name, reference, tmp_path):
     updated weights (trainer vs engine log-prob gap < 1e-4, and the sync's own check)."""
     overrides, (tp, pp, dp), replicas, etp = LAYOUTS[name]
     run = tmp_path / name
-    r = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-              "-m", "grpo_mega.train", *_args(run), *overrides], 900)
+    r = _run(_world4(run, overrides), 900)
+    UNINTERRUPTED[name] = run
     ref_rows, ref_summary = reference
     rows, summary = _rows(run), json.loads((run / "summary.json").read_text())
     assert summary["layout"] == {"tp": tp, "pp": pp, "dp": dp} and summary["steps"] == STEPS
@@ -100,6 +110,35 @@ def test_loop_at_world_4_matches_the_unsharded_run(name, reference, tmp_path):
         assert math.isfinite(row["loss"]) and row["rollout_logp_gap"] < 1e-4, row
     print(f"\n[layouts] {name}: tp {tp} x pp {pp} x dp {dp}, {replicas} engine(s) of {etp} rank(s): "
           f"step {STEPS} took {_step_seconds(rows[STEPS]):.2f} s (stages), step 1 {_step_seconds(rows[1]):.2f} s")
+
+
+def test_kill_whole_pp2_dp2_job_mid_sync_then_restart_resumes_to_uninterrupted_weights(tmp_path):
+    """Guards against a restart that fails or diverges after a cluster-style kill at
+    PP=2 x DP=2 (four ranks, four engines): the whole job (torchrun and every rank at once)
+    SIGKILLed while rank 0 is between buckets of step 2's weight sync must, run again with
+    the same command, resume from step 1 and end with the weights of the uninterrupted
+    pp2_dp2 run above (run here if that test was deselected)."""
+    from tests.integration.test_kill import Job
+
+    overrides = LAYOUTS["pp2_dp2"][0]
+    straight = UNINTERRUPTED.get("pp2_dp2")
+    if straight is None:
+        straight = tmp_path / "straight"
+        _run(_world4(straight, overrides), 900)
+    run = tmp_path / "killed"
+    job = Job(_world4(run, overrides, "--checkpoint.save_every=1"), "bridge.sync:hold:1@0#2")
+    job.wait_for("fault injected: hold at")
+    job.kill_all()
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+    job = Job(_world4(run, overrides, "--checkpoint.save_every=1"))
+    assert job.finish() == 0, job.out[-4000:]
+    assert "resuming from" in job.out
+    from tests.integration.test_train import _weights
+    a = _weights(straight / "checkpoints" / f"step_{STEPS:08d}")
+    b = _weights(run / "checkpoints" / f"step_{STEPS:08d}")
+    assert set(a) == set(b) and any(not k.startswith("optimizer.") for k in a)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=k)
 
 
 SCALE_CONFIGS = sorted((REPO / "launch" / "configs").glob("*.yaml"))

@@ -16,11 +16,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from grpo_mega import lifeline
 from grpo_mega.config import cli_config
 
 
 def main() -> int:
     cfg = cli_config(sys.argv[1:])
+    lifeline.watch_parent("torchrun agent", label=f"rank {os.environ.get('RANK')}")  # as the trainer
     dist.init_process_group("gloo", timeout=timedelta(minutes=cfg.parallel.timeout_minutes))
     rank, world = dist.get_rank(), dist.get_world_size()
     t = torch.ones(1)

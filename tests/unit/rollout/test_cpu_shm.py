@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import mmap
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from grpo_mega.rollout import cpu_shm
 
@@ -41,3 +43,20 @@ def test_restart_segment_names_are_job_scoped_and_valid_posix_shm_names():
     a = cpu_shm.scoped_name("0a1b2c3d", "//-tp:0-[0-1]-cpushm")
     b = cpu_shm.scoped_name("ffff0000", "//-tp:0-[0-1]-cpushm")
     assert a != b and "/" not in a and a.startswith("grpo-0a1b2c3d-") and a.endswith("-tp:0-[0-1]-cpushm")
+
+
+def test_restart_removes_weight_files_of_dead_writers_only(tmp_path):
+    """Guards against a trainer SIGKILLed mid-sync in ``child`` engine mode leaking its
+    weight file in /dev/shm for good (a bucket of weights in RAM per kill), and against the
+    clean-up removing the file of a live job's sync in flight."""
+    from grpo_mega.rollout.worker import WEIGHT_FILE_PREFIX, clear_dead_weight_files, write_weight_file
+    import torch
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"{WEIGHT_FILE_PREFIX}{dead.pid}_x.safetensors"
+    stale.write_bytes(b"x")
+    with write_weight_file([("w", torch.zeros(2))], str(tmp_path)) as live:
+        assert clear_dead_weight_files(str(tmp_path)) == [stale.name]
+        assert Path(live).exists() and Path(live).name.startswith(f"{WEIGHT_FILE_PREFIX}{os.getpid()}_")
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,94 @@
+"""Session-wide leak check: no test may leave a process or a /dev/shm segment behind.
+
+Tests launch torchrun jobs, spawned ranks, vLLM engines and reward workers, and several
+kill them on purpose. Leftovers were found 25 minutes after their tests ended (a
+``launch_collective.py`` rank and a ``multiprocessing`` child), and a killed engine's
+shared-memory segments broke every later TP=2 engine on the machine. So:
+
+* every process started during the session inherits ``GRPO_MEGA_TEST_SESSION``; any such
+  process still alive when the session ends (after a grace period) is killed, listed,
+  and fails the run;
+* every vLLM segment in /dev/shm created during the session that no live process maps
+  (``rollout.cpu_shm.stale_segments``) is removed, listed, and fails the run.
+
+``GRPO_MEGA_LEAK_CHECK=0`` turns it off (for a single test under a debugger).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+
+import pytest
+
+MARKER = "GRPO_MEGA_TEST_SESSION"
+_SESSION = uuid.uuid4().hex  # fresh even inside another session: it must not check its parent
+os.environ[MARKER] = _SESSION
+_SHM_BEFORE = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+GRACE_S = float(os.environ.get("GRPO_MEGA_LEAK_GRACE_S", "15"))
+"""How long leftovers get to exit on their own (ranks and engines take a few seconds)."""
+
+
+def _session_processes() -> list:
+    import psutil
+
+    me = os.getpid()
+    mine = []
+    for p in psutil.process_iter(["pid"]):
+        if p.pid == me:
+            continue
+        try:
+            if p.environ().get(MARKER) != _SESSION:
+                continue
+            if p.ppid() == me and "multiprocessing.resource_tracker" in " ".join(p.cmdline()):
+                continue  # pytest's own helper; it exits with pytest
+            mine.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return mine
+
+
+def _describe(p) -> str:
+    try:
+        return f"pid {p.pid}: {' '.join(p.cmdline())[:200]}"
+    except Exception:  # noqa: BLE001 - it exited meanwhile
+        return f"pid {p.pid}"
+
+
+def leftovers(grace_s: float = GRACE_S) -> tuple[list[str], list[str]]:
+    """(processes of this session still alive after ``grace_s``, killed now; stale vLLM
+    segments created during the session, removed now)."""
+    import psutil
+
+    from grpo_mega.rollout import cpu_shm
+
+    deadline = time.time() + grace_s
+    procs = _session_processes()
+    while procs and time.time() < deadline:
+        time.sleep(0.5)
+        procs = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    lines = [_describe(p) for p in procs]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    shm = [s for s in cpu_shm.stale_segments() if s.name not in _SHM_BEFORE]
+    for s in shm:
+        s.unlink(missing_ok=True)
+    return lines, [s.name for s in shm]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("GRPO_MEGA_LEAK_CHECK", "1") == "0" or os.environ.get(MARKER) != _SESSION:
+        return
+    procs, shm = leftovers()
+    if not (procs or shm):
+        return
+    print("\n[leak check] the tests left these behind (now killed / removed):", file=sys.stderr)
+    for line in procs:
+        print(f"[leak check]   process {line}", file=sys.stderr)
+    for name in shm:
+        print(f"[leak check]   /dev/shm/{name}", file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
