@@ -8,8 +8,9 @@ shared-memory segments broke every later TP=2 engine on the machine. So:
 * every process started during the session inherits ``GRPO_MEGA_TEST_SESSION``; any such
   process still alive when the session ends (after a grace period) is killed, listed,
   and fails the run;
-* every vLLM segment in /dev/shm created during the session that no live process maps
-  (``rollout.cpu_shm.stale_segments``) is removed, listed, and fails the run.
+* every vLLM segment in /dev/shm of this session's engines (named after its tag,
+  ``GRPO_MEGA_SHM_TAG``) that no live process maps (``rollout.cpu_shm.stale_segments``)
+  is removed, listed, and fails the run.
 
 ``GRPO_MEGA_LEAK_CHECK=0`` turns it off (for a single test under a debugger).
 """
@@ -25,6 +26,7 @@ import pytest
 MARKER = "GRPO_MEGA_TEST_SESSION"
 _SESSION = uuid.uuid4().hex  # fresh even inside another session: it must not check its parent
 os.environ[MARKER] = _SESSION
+os.environ["GRPO_MEGA_SHM_TAG"] = _SESSION[:6]  # this session's engines name their segments so
 _SHM_BEFORE = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 GRACE_S = float(os.environ.get("GRPO_MEGA_LEAK_GRACE_S", "15"))
 """How long leftovers get to exit on their own (ranks and engines take a few seconds)."""
@@ -74,7 +76,8 @@ def leftovers(grace_s: float = GRACE_S) -> tuple[list[str], list[str]]:
             p.kill()
         except psutil.Error:
             pass
-    shm = [s for s in cpu_shm.stale_segments() if s.name not in _SHM_BEFORE]
+    ours = f"{cpu_shm.PREFIX}{_SESSION[:6]}"  # not other jobs' leftovers on a shared machine
+    shm = [s for s in cpu_shm.stale_segments() if s.name.startswith(ours) and s.name not in _SHM_BEFORE]
     for s in shm:
         s.unlink(missing_ok=True)
     return lines, [s.name for s in shm]

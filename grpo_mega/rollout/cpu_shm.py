@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 PREFIX = "grpo-"
 """Our names start with this, so the leak check of the tests can tell them apart."""
+SHM_TAG_ENV = "GRPO_MEGA_SHM_TAG"
 
 
 def _referenced_shm_names(shm_dir: Path) -> set[str]:
@@ -93,7 +94,9 @@ def agreed_job_id(rank_zero_id: Optional[str] = None) -> str:
     default group when one is initialised; a fresh id otherwise)."""
     import torch.distributed as dist
 
-    mine = rank_zero_id or secrets.token_hex(4)
+    # GRPO_MEGA_SHM_TAG (hex; the test session sets it) lets a leak check tell its own
+    # segments from those of other jobs on the machine.
+    mine = rank_zero_id or (os.environ.get(SHM_TAG_ENV, "") + secrets.token_hex(4))
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return mine
     box = [mine if dist.get_rank() == 0 else None]

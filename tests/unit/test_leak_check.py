@@ -15,13 +15,16 @@ def test_kill_leak_check_fails_a_session_that_leaves_a_process_or_shm_segment(tm
     unnoticed: an inner pytest session whose test starts a detached ``sleep`` and writes a
     vLLM-named segment must fail, name both, and leave neither behind; a clean inner
     session must pass."""
-    seg = f"-tp:9-[0-1]-cpushm_{os.getpid()}"
+    seg = f"-tp:9-[0-1]-cpushm_{os.getpid()}"  # after the inner session's own prefix
     (tmp_path / "test_leaky.py").write_text(textwrap.dedent(f"""
         import subprocess
         def test_leaks():
             p = subprocess.Popen(["sleep", "300"], start_new_session=True)
             open("{tmp_path}/pid", "w").write(str(p.pid))
-            open("/dev/shm/{seg}", "wb").write(b"x")
+            import os
+            name = "grpo-" + os.environ["GRPO_MEGA_SHM_TAG"] + "{seg}"
+            open("/dev/shm/" + name, "wb").write(b"x")
+            open("{tmp_path}/seg", "w").write(name)
         def test_clean():
             pass
     """))
@@ -34,8 +37,9 @@ def test_kill_leak_check_fails_a_session_that_leaves_a_process_or_shm_segment(tm
     out = leaky.stdout + leaky.stderr
     assert leaky.returncode == 1 and "1 passed" in out, out
     assert "[leak check]   process pid" in out and "sleep 300" in out, out
-    assert f"[leak check]   /dev/shm/{seg}" in out, out
-    assert not os.path.exists(f"/dev/shm/{seg}")
+    name = (tmp_path / "seg").read_text()
+    assert f"[leak check]   /dev/shm/{name}" in out, out
+    assert not os.path.exists(f"/dev/shm/{name}")
     import psutil
     pid = int((tmp_path / "pid").read_text())
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
