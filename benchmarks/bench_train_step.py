@@ -68,11 +68,11 @@ def part2(iters: int) -> None:
     from grpo_mega.models import build_model
     from grpo_mega.optim.adamw import ParallelAdamW
     from grpo_mega.distributed.state import init_parallel
-    from grpo_mega.trainer.trainer import _model_shape_from_hf
+    from grpo_mega.preflight.shape import model_shape_from_hf
 
     cfg = load_config(str(CONFIG), [f"--model.hf_checkpoint={ASSETS / 'hf'}", "--parallel.tp=1",
                                     "--algorithm.kl_coef=0"])
-    _model_shape_from_hf(cfg)
+    model_shape_from_hf(cfg)
     ps = init_parallel(1, 1)
     model = build_model(cfg.model, ps)
     opt = ParallelAdamW(model, cfg.optimizer, ps)
