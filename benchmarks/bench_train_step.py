@@ -5,7 +5,7 @@
 
 Part 1 runs the demo config for a fixed number of steps at TP=1 (one process)
 and TP=2 (torchrun, 2 ranks) and prints the median seconds per stage read from
-each run's metrics.jsonl (the first 3 steps are warm-up, excluded). The README's
+each run's metrics.jsonl (the first 3 steps are warm-up, excluded). docs/evidence/benchmarks-2026-11.md's
 "before" rows (the redundant old-policy forward forced on) are historical: the
 loop no longer has a switch for it.
 
