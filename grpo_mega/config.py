@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -20,7 +21,7 @@ from typing import Any, Optional
 import yaml
 
 from grpo_mega.config_coerce import (  # noqa: F401  (re-exported: the public config API)
-    ConfigError, apply_dict, apply_overrides, field_docs, parse_overrides)
+    ConfigError, apply_dict, apply_overrides, field_docs, parse_overrides, type_name)
 
 
 @dataclass
@@ -418,14 +419,17 @@ class Config:
 
 
 def help_text() -> str:
-    lines = ["Config fields (override with --section.key=value):"]
+    """``--help``: every field with its type, default and docstring (allowed values, from the
+    registries: docs/reference/config.md)."""
+    lines = ["Config fields (override with --section.key=value; types, defaults and allowed values:",
+             "docs/reference/config.md):"]
     for sec in dataclasses.fields(Config):
         cls = sec.default_factory().__class__
-        docs = field_docs(cls)
+        docs, types = field_docs(cls), typing.get_type_hints(cls)
         lines.append(f"\n[{sec.name}]")
         for f in dataclasses.fields(cls):
             default = getattr(sec.default_factory(), f.name)
-            lines.append(f"  --{sec.name}.{f.name} (default {default!r}): {docs.get(f.name, '')}")
+            lines.append(f"  --{sec.name}.{f.name} ({type_name(types[f.name])}, default {default!r}): {docs.get(f.name, '')}")
     return "\n".join(lines)
 
 

@@ -40,6 +40,19 @@ def field_docs(cls) -> dict[str, str]:
 
 # ------------------------------------------------------------------ type coercion
 
+def type_name(tp: Any) -> str:
+    """A field annotation as the docs and ``--help`` show it: ``int``, ``str or null``,
+    ``list[str]``."""
+    if tp is type(None):
+        return "null"
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(type_name(a) for a in typing.get_args(tp))}]"
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check/convert ``value`` to annotation ``tp``; strings from the CLI are parsed."""
     origin = typing.get_origin(tp)

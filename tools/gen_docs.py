@@ -33,17 +33,6 @@ def _md(doc: str) -> str:
     return re.sub(r"``([^`]+)``", r"`\1`", " ".join(doc.split()))
 
 
-def _type_name(tp) -> str:
-    if tp is type(None):
-        return "null"
-    origin = typing.get_origin(tp)
-    if origin is typing.Union:
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin in (list, dict):
-        return f"{origin.__name__}[{', '.join(_type_name(a) for a in typing.get_args(tp))}]"
-    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
-
-
 def _allowed() -> dict:
     from grpo_mega.preflight.validate import CHOICES, registry_choices
     from grpo_mega.rewards.registry import REWARD_REGISTRY
@@ -54,7 +43,7 @@ def _allowed() -> dict:
 
 
 def config_page() -> str:
-    from grpo_mega.config import Config, field_docs
+    from grpo_mega.config import Config, field_docs, type_name
 
     allowed = _allowed()
     out = [GENERATED, "", "# Config reference", "",
@@ -69,7 +58,7 @@ def config_page() -> str:
         out += [f"## `{sec.name}`", "", _md(field_docs(Config).get(sec.name, "")), ""]
         for f in dataclasses.fields(cls):
             value = getattr(default, f.name)
-            line = f"type `{_type_name(types[f.name])}`, default `{'null' if value is None else value!r}`"
+            line = f"type `{type_name(types[f.name])}`, default `{'null' if value is None else value!r}`"
             if (sec.name, f.name) in allowed:
                 line += "; one of " + ", ".join(f"`{v}`" for v in allowed[(sec.name, f.name)])
             out += [f"### `{sec.name}.{f.name}`", "", line + ".", "", _md(docs.get(f.name, "")), ""]
