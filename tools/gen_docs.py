@@ -58,7 +58,8 @@ def config_page() -> str:
         out += [f"## `{sec.name}`", "", _md(field_docs(Config).get(sec.name, "")), ""]
         for f in dataclasses.fields(cls):
             value = getattr(default, f.name)
-            line = f"type `{type_name(types[f.name])}`, default `{'null' if value is None else value!r}`"
+            shown = "null" if value is None else repr(value)
+            line = f"type `{type_name(types[f.name])}`, default `{shown}`"
             if (sec.name, f.name) in allowed:
                 line += "; one of " + ", ".join(f"`{v}`" for v in allowed[(sec.name, f.name)])
             out += [f"### `{sec.name}.{f.name}`", "", line + ".", "", _md(docs.get(f.name, "")), ""]
