@@ -1,4 +1,5 @@
-# Two entry points: `make demo` (the embedded GRPO job) and `make test`.
+# Two entry points: `make demo` (the embedded GRPO job) and `make test`; `make docs` builds
+# the documentation site (docs/, Sphinx + MyST) into docs/_build/html, warnings as errors.
 # Both create .venv on first use and reuse it afterwards.
 # pip's own environment (PIP_FIND_LINKS, PIP_EXTRA_INDEX_URL) is honoured; on a
 # fresh machine without a local torch wheel set
@@ -11,7 +12,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.grpo-mega-installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: env demo test test-fast clean-env
+.PHONY: env demo test test-fast docs clean-env
 
 env: $(STAMP)
 
@@ -37,6 +38,12 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests -m "not slow"
+
+# The site, warnings as errors (tests/unit/test_docs.py runs the same build in `make test`).
+docs: $(STAMP)
+	$(PY) tools/gen_docs.py
+	$(PY) -m sphinx -W --keep-going -n -q -b html docs docs/_build/html
+	@echo "[docs] docs/_build/html/index.html"
 
 clean-env:
 	rm -rf $(VENV)

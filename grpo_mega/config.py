@@ -3,16 +3,15 @@
 Every field carries a docstring (the string literal under it); ``--help`` prints
 them. Overrides use the section path: ``--parallel.tp=2`` or ``--parallel.tp 2``.
 
-This module imports nothing else of grpo_mega: the checks that need the registries
-or the hardware live in ``grpo_mega.preflight.validate``.
+This module imports nothing else of grpo_mega but its YAML/CLI coercion
+(``grpo_mega.config_coerce``): the checks that need the registries or the hardware live
+in ``grpo_mega.preflight.validate``.
 
     cfg = load_config("my.yaml", ["--parallel.tp=2"])
 """
 from __future__ import annotations
 
-import ast
 import dataclasses
-import inspect
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -21,10 +20,8 @@ from typing import Any, Optional
 
 import yaml
 
-
-
-class ConfigError(ValueError):
-    """A config value is malformed or impossible; the message names the field."""
+from grpo_mega.config_coerce import (  # noqa: F401  (re-exported: the public config API)
+    ConfigError, apply_dict, apply_overrides, field_docs, parse_overrides, type_name)
 
 
 @dataclass
@@ -321,9 +318,11 @@ class OptimizerConfig:
 @dataclass
 class DataConfig:
     train_path: Optional[str] = None
-    """JSONL or Parquet prompt file (null uses the built-in arithmetic task)."""
+    """JSONL or Parquet prompt file; required (null is refused at start-up). Each row holds
+    ``prompt_key`` (or ``messages_key``) and ``answer_key``."""
     eval_path: Optional[str] = None
-    """Held-out prompt file for periodic evaluation."""
+    """Held-out prompt file; required, also with ``eval_every: 0``, because the run always
+    evaluates before step 1 and after the last step."""
     prompt_key: str = "prompt"
     """Field holding the prompt text."""
     messages_key: Optional[str] = "messages"
@@ -419,151 +418,19 @@ class Config:
     """Metrics sinks."""
 
 
-# --------------------------------------------------------------------------- docs
-
-def field_docs(cls) -> dict[str, str]:
-    """Attribute docstrings of a dataclass, read from its source."""
-    try:
-        tree = ast.parse(inspect.getsource(cls))
-    except (OSError, TypeError):
-        return {}
-    docs, body = {}, tree.body[0].body
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
-                and isinstance(getattr(nxt, "value", None), ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = nxt.value.value
-    return docs
-
-
 def help_text() -> str:
-    lines = ["Config fields (override with --section.key=value):"]
+    """``--help``: every field with its type, default and docstring (allowed values, from the
+    registries: docs/reference/config.md)."""
+    lines = ["Config fields (override with --section.key=value; types, defaults and allowed values:",
+             "docs/reference/config.md):"]
     for sec in dataclasses.fields(Config):
         cls = sec.default_factory().__class__
-        docs = field_docs(cls)
+        docs, types = field_docs(cls), typing.get_type_hints(cls)
         lines.append(f"\n[{sec.name}]")
         for f in dataclasses.fields(cls):
             default = getattr(sec.default_factory(), f.name)
-            lines.append(f"  --{sec.name}.{f.name} (default {default!r}): {docs.get(f.name, '')}")
+            lines.append(f"  --{sec.name}.{f.name} ({type_name(types[f.name])}, default {default!r}): {docs.get(f.name, '')}")
     return "\n".join(lines)
-
-
-# ------------------------------------------------------------------ type coercion
-
-def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check/convert ``value`` to annotation ``tp``; strings from the CLI are parsed."""
-    origin = typing.get_origin(tp)
-    if origin is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
-            return None
-        return _coerce(value, args[0], where)
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if isinstance(value, str):
-            value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        key_tp, val_tp = typing.get_args(tp) or (Any, Any)
-        if isinstance(value, str):
-            try:
-                value = yaml.safe_load(value) if value.strip() else {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{where}: not a YAML mapping ({e})") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return {_coerce(k, key_tp, f"{where} key {k!r}"): _coerce(v, val_tp, f"{where}[{k!r}]")
-                for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
-    return value
-
-
-def _section_types(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def apply_dict(cfg: Config, data: dict, source: str) -> Config:
-    """Merge a nested dict (from YAML) into ``cfg``; unknown keys are errors."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{source}: top level must be a mapping of sections")
-    for sec_name, values in data.items():
-        if not isinstance(sec_name, str) or not hasattr(cfg, sec_name):
-            raise ConfigError(f"{source}: unknown section {sec_name!r}; known: "
-                              f"{[f.name for f in dataclasses.fields(Config)]}")
-        section = getattr(cfg, sec_name)
-        if not isinstance(values, dict):
-            raise ConfigError(f"{source}: section {sec_name!r} must be a mapping")
-        types = _section_types(type(section))
-        for key, value in values.items():
-            if not isinstance(key, str) or key not in types:
-                raise ConfigError(f"{source}: unknown field {sec_name}.{key}; known: {sorted(types)}")
-            setattr(section, key, _coerce(value, types[key], f"{sec_name}.{key} (in {source})"))
-    return cfg
-
-
-def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
-    """``['--a.b=1', '--c.d', '2']`` -> ``[('a.b', '1'), ('c.d', '2')]``."""
-    out, i = [], 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or "." not in arg.split("=")[0]:
-            raise ConfigError(f"unrecognised argument {arg!r}; overrides look like --section.key=value")
-        if "=" in arg:
-            key, value = arg[2:].split("=", 1)
-        else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"{arg} needs a value (use {arg}=VALUE)")
-            key, value = arg[2:], args[i + 1]
-            i += 1
-        out.append((key, value))
-        i += 1
-    return out
-
-
-def apply_overrides(cfg: Config, overrides: list[str]) -> Config:
-    for key, value in parse_overrides(overrides):
-        sec_name, _, name = key.partition(".")
-        section = getattr(cfg, sec_name, None)
-        if section is None or not dataclasses.is_dataclass(section):
-            raise ConfigError(f"--{key}: unknown section {sec_name!r}")
-        types = _section_types(type(section))
-        if name not in types:
-            raise ConfigError(f"--{key}: unknown field; {sec_name} has {sorted(types)}")
-        setattr(section, name, _coerce(value, types[name], f"{key} (from --{key})"))
-    return cfg
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:

@@ -15,6 +15,11 @@
 #   # the same config's parallel pattern on this machine (CPU is fine), tiny widths, 2 steps:
 #   CONFIG=launch/configs/llama3_70b.yaml launch/torchrun.sh --shrink
 #
+# A training run needs the paths start-up requires, as overrides (every launch/configs and
+# examples file leaves them null): --model.hf_checkpoint=DIR --data.train_path=FILE
+# --data.eval_path=FILE. With --model.hf_checkpoint, --check-config validates the checkpoint's
+# shape (its config.json), as the trainer will.
+#
 # Options (before any override): --dry-run, --check-config, --shrink, -h/--help.
 #   --check-config  the trainer's own start-up validation (only the GPU probes for FP8 and
 #                   Triton are skipped) and the per-GPU memory budget; a config the trainer

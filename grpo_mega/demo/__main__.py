@@ -31,6 +31,19 @@ CONFIG = PACKAGE / "configs" / "demo.yaml"
 CONFIG_MOE = PACKAGE / "configs" / "demo_moe.yaml"
 
 
+def demo_env(argv: list[str]) -> dict:
+    """The trainer's environment. Quiet by default; with ``make demo ARGS=--verbose`` (or
+    ``--logging.verbose=true``) the libraries' output, Python warnings included, is shown,
+    so the demo must not silence it here."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    if not ("--verbose" in argv or "--logging.verbose=true" in argv):
+        # torch reads these when it loads, before the trainer's own quieting can act
+        env.setdefault("PYTHONWARNINGS", "ignore")
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    return env
+
+
 def main(argv: list[str]) -> int:
     fresh, moe = "--fresh" in argv, "--moe" in argv
     argv = [a for a in argv if a not in ("--fresh", "--moe")]
@@ -40,11 +53,7 @@ def main(argv: list[str]) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
     assets = ensure_demo_assets(variant="moe" if moe else "dense")
     mcore = run_dir / "init_mcore"
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false", PYTHONWARNINGS="ignore")
-    if "--logging.verbose=true" not in argv:
-        # torch reads this when it loads, before the trainer's own quieting can act
-        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    env = demo_env(argv)
     if not mcore.exists():
         say(f"converting the HF checkpoint to megatron-core: {mcore}")
         subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), "hf-to-mcore",

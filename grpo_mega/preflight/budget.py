@@ -14,6 +14,10 @@ Options: ``--world-size N`` (default: tp x pp x dp from the config, dp=1 when it
 the ``# @budget-begin`` ... ``# @budget-end`` comment block of the config file), then ``--section.key=value``
 overrides exactly as the trainer takes them.
 
+The shape validated and budgeted is the trainer's: with ``model.hf_checkpoint`` set, the
+checkpoint's ``config.json`` replaces the YAML's shape fields, as at start-up
+(``preflight/shape.py``); without it, the YAML's own shape. The output names which.
+
 The budget is an estimate for the worst pipeline stage of one GPU, in GiB:
 
 * parameters: counted from the model shape (``params.py``: embedding, QKV(+bias), output
@@ -53,6 +57,7 @@ from typing import Optional
 
 from grpo_mega.config import Config, ConfigError, ModelConfig, derived_dp, load_config, rollout_tp
 
+from grpo_mega.preflight.shape import describe_shape, model_shape_from_hf
 from grpo_mega.preflight.params import ParamCount, count_params, head_dim, padded_vocab
 from grpo_mega.preflight.validate import validate
 
@@ -386,6 +391,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         gpn = int(_pop_option(argv, "--gpus-per-node") or 8)
         gpu_gib = float(_pop_option(argv, "--gpu-memory-gib") or 80)
         cfg = load_config(path, argv)
+        shape_src = (model_shape_from_hf(cfg) if cfg.model.hf_checkpoint
+                     else "the config (model.hf_checkpoint not given)")
         p = cfg.parallel
         world = int(world) if world else p.tp * p.pp * max(p.dp, 1)
         validate(cfg, world, check_hardware=False)
@@ -394,6 +401,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     layout = derive_layout(cfg, world, gpn)
     if validate_only:
+        print(f"shape validated: {describe_shape(cfg)}, from {shape_src}")
         print(f"ok: world {world} = tp {layout.tp} x pp {layout.pp} x dp {layout.dp}")
         return 0
     budget = memory_budget(cfg, layout, gpu_gib)
@@ -402,6 +410,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("config error: --write-budget needs --config FILE and no overrides", file=sys.stderr)
             return 2
         write_budget(path, budget_block(cfg, layout, budget, path))
+    print(f"shape validated: {describe_shape(cfg)}, from {shape_src}")
     print(report(cfg, layout, budget, path or ""))
     return 0
 

@@ -124,12 +124,18 @@ def _check_memory_savers(m, p, check_hardware: bool) -> None:
                               "with transformer_engine installed (--model.sequence_parallel=false)")
 
 
-def _check_distributed_impl(o, check_hardware: bool) -> None:
+def _check_distributed_impl(o, m, check_hardware: bool) -> None:
     """``optimizer.distributed_impl=megatron`` is megatron-core's DDP + DistributedOptimizer,
-    which is a ZeRO-1 optimizer only (so it needs the flag that asks for one) and allocates
-    its buffers on CUDA."""
+    which is a ZeRO-1 optimizer only (so it needs the flag that asks for one), allocates
+    its buffers on CUDA, and is wired here for dense models only (``optim/megatron.py``
+    does not reduce expert grads over the expert-DP group)."""
     if o.distributed_impl != "megatron":
         return
+    if m.num_experts or m.family == "qwen3_moe":
+        raise ConfigError(f"optimizer.distributed_impl=megatron supports dense models only, but "
+                          f"model.family={m.family!r} has {m.num_experts} experts; use "
+                          "--optimizer.distributed_impl=grpo (with --optimizer.use_distributed_optimizer=false "
+                          "at parallel.ep > 1)")
     if not o.use_distributed_optimizer:
         raise ConfigError("optimizer.distributed_impl=megatron selects megatron's distributed optimizer, "
                           "but optimizer.use_distributed_optimizer=false; set "
@@ -289,6 +295,10 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
     for sec, name in positive:
         if getattr(getattr(cfg, sec), name) < 1:
             raise ConfigError(f"{sec}.{name} must be >= 1, got {getattr(getattr(cfg, sec), name)} (--{sec}.{name})")
+    if r.n < 2:
+        raise ConfigError(f"rollout.n={r.n}: a group of one sample has advantage 0 everywhere (each "
+                          "reward is its own group's mean), so nothing would be learnt; sample a group "
+                          "of at least 2 (--rollout.n=8)")
     if m.num_attention_heads % p.tp:
         raise ConfigError(f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
                           f"parallel.tp={p.tp}; choose a tp that divides it (--parallel.tp)")
@@ -338,7 +348,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
                           "--algorithm.ref_reset_every=0")
     if o.lr <= 0:
         raise ConfigError(f"optimizer.lr={o.lr} must be > 0 (--optimizer.lr)")
-    _check_distributed_impl(o, check_hardware)
+    _check_distributed_impl(o, m, check_hardware)
     if r.temperature < 0:
         raise ConfigError(f"rollout.temperature={r.temperature} must be >= 0")
     if not 0 < r.top_p <= 1:

@@ -201,11 +201,25 @@ class RolloutEngineProtocol(Protocol):
     Weight updates come in buckets of whole fused layers (q, k, v together;
     gate and up together): an engine may repack a fused layer as soon as a
     bucket arrives. Ranks that host no engine accept and ignore every call.
+    The trainer (``trainer/stages.py``) uses ``sampling``, ``dp_size`` and
+    ``generate_resharded``; the bridge uses the weight methods and ``probe``.
     """
+
+    sampling: SamplingConfig
+    """The engine's default sampling; the trainer derives each round's sampling from it."""
+    dp_size: int
+    """Number of engine replicas in the job (evaluation splits its prompts over them)."""
 
     def generate(self, prompts: Sequence[Any], sampling: Any = None, *,
                  step: int | None = None) -> RolloutBatch:
         """Sample ``n`` responses per prompt (token id lists or objects with ``token_ids``)."""
+        ...
+
+    def generate_resharded(self, global_prompts: Sequence[Any], sampling: Any = None, *,
+                           step: int | None = None, to_rank: int = 0, to_size: int = 1,
+                           progress: bool = False) -> RolloutBatch:
+        """The samples of slice ``to_rank`` of ``to_size`` of the global prompt batch (one
+        trainer DP replica's share), whatever the engine layout. Collective over the world."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Any:

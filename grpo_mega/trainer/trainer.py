@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 from grpo_mega import console
 from grpo_mega.config import Config, ConfigError, cli_config
+from grpo_mega.preflight.shape import model_shape_from_hf
 from grpo_mega.preflight.validate import check_tokenizer_fits, reward_specs, validate
 
 if TYPE_CHECKING:
@@ -112,25 +112,6 @@ class Trainer:
 
 # ---------------------------------------------------------------------------- build
 
-def _model_shape_from_hf(cfg: Config) -> None:
-    """Fill the model shape from the HF checkpoint's config.json (the engine's truth)."""
-    from grpo_mega.models.hf_config import model_config_from_hf
-
-    path = Path(cfg.model.hf_checkpoint)
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"model.hf_checkpoint={str(path)!r} has no config.json (--model.hf_checkpoint)")
-    hf = model_config_from_hf(json.loads((path / "config.json").read_text()),
-                              source=str(path / "config.json"))
-    rope = [f.name for f in dataclasses.fields(hf) if f.name.startswith("rope_")]
-    for f in ["family", "vocab_size", "hidden_size", "num_layers", "num_attention_heads",
-              "num_query_groups", "head_dim", "ffn_hidden_size", "qkv_bias",
-              "tie_embeddings", "norm_eps", "max_position_embeddings", *rope,
-              # the MoE shape too: a YAML's expert count or width that is not the checkpoint's
-              # would build a model the weights do not load into
-              "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "norm_topk_prob"]:
-        setattr(cfg.model, f, getattr(hf, f))
-
-
 @dataclass
 class Preflight:
     """What ``preflight`` checked and loaded, before any process group or engine exists."""
@@ -150,8 +131,13 @@ def preflight(cfg: Config, world: int) -> Preflight:
     if not cfg.model.hf_checkpoint:
         raise ConfigError("model.hf_checkpoint is required: the rollout engine loads it "
                           "(--model.hf_checkpoint=DIR)")
-    _model_shape_from_hf(cfg)
+    model_shape_from_hf(cfg)
     validate(cfg, world)
+    if not cfg.data.eval_path:
+        # data.eval_every=0 turns off only the periodic evaluations: the run always evaluates
+        # before step 1 and after the last step (summary.json's before/after accuracy).
+        raise ConfigError("data.eval_path is required, also with data.eval_every=0: the run evaluates "
+                          "held-out accuracy before step 1 and after the last step (--data.eval_path=FILE)")
     for p, flag in ((cfg.data.train_path, "data.train_path"), (cfg.data.eval_path, "data.eval_path")):
         if not p or not Path(p).exists():
             raise ConfigError(f"{flag}={p!r} does not exist (--{flag})")

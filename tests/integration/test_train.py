@@ -148,8 +148,7 @@ def _short_run(run: Path, steps: int, reward: str, *extra: str) -> list[float]:
             f"--reward.functions=[\"tests.integration.task_rewards:{reward}\"]", *extra]
     r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900, cwd=REPO)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rewards = [row["reward_mean"] for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-               if "reward_mean" in row]
+    rewards = [row["reward_mean"] for row in _rows(run) if "reward_mean" in row]
     assert len(rewards) == steps
     return rewards
 
@@ -185,7 +184,15 @@ def test_process_supervision_run_learns_step_rewards(tmp_path):
 
 
 def _rows(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    """The run's metrics.jsonl rows; every key must be in the metrics glossary
+    (``grpo_mega/glossary.py``, the generated docs/reference/metrics.md), so a new metric
+    cannot go undocumented."""
+    from grpo_mega.glossary import is_documented
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    undocumented = sorted({k for r in rows for k in r if not is_documented(k)})
+    assert not undocumented, f"metrics missing from grpo_mega/glossary.py: {undocumented}"
+    return rows
 
 
 def test_dapo_refill_at_dp2_fills_the_batch_and_nothing_hangs(tmp_path):

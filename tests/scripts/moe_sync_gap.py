@@ -1,4 +1,4 @@
-"""Measure the MoE weight sync into vLLM: log-prob gaps to transformers (README numbers).
+"""Measure the MoE weight sync into vLLM: log-prob gaps to transformers (the numbers in docs/guides/moe.md).
 
 A tiny Qwen3-MoE (4 experts, top-2) is served by an in-process RolloutEngine built on
 checkpoint A; different weights B (another seed) are then loaded three ways, each on a

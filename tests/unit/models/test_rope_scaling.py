@@ -170,12 +170,12 @@ def test_trainer_takes_rope_scaling_from_the_checkpoint(tmp_path):
     """Guards against the trainer copying the shape from config.json but not the RoPE
     scaling (it would build unscaled actor/reference models next to a scaled vLLM)."""
     from grpo_mega.config import Config
-    from grpo_mega.trainer.trainer import _model_shape_from_hf
+    from grpo_mega.preflight.shape import model_shape_from_hf
 
     (tmp_path / "config.json").write_text(json.dumps(_hub_style(dict(CASES["yarn_mscale"]))))
     cfg = Config()
     cfg.model.hf_checkpoint = str(tmp_path)
-    _model_shape_from_hf(cfg)
+    model_shape_from_hf(cfg)
     m = cfg.model
     assert (m.rope_scaling, m.rope_scaling_factor, m.rope_original_max_position_embeddings) == ("yarn", 4.0, 16)
     assert (m.rope_beta_fast, m.rope_beta_slow, m.rope_mscale, m.rope_mscale_all_dim) == (16.0, 2.0, 1.2, 0.4)

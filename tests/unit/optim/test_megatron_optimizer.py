@@ -116,7 +116,7 @@ def test_distributed_optimizer_megatron_steps_equal_ours(megatron_run):
     """Guards against the megatron path diverging from the project's optimizers: a clip
     coefficient or norm that differs, the fp32 masters of a bf16 model not reaching its
     weights, or steps that do not move them. (At world 1 DDP's sum and mean over DP agree;
-    the DP=2 sum was checked only in a scratch CPU run, see README.) fp32 to 1e-6; bf16 masters and moments to 1e-5, weights to one bf16 step."""
+    the DP=2 sum was checked only in a scratch CPU run, see docs/guides/gpu.md.) fp32 to 1e-6; bf16 masters and moments to 1e-5, weights to one bf16 step."""
     for key, v in megatron_run["updates"].items():
         n, n_ref, n_got = v["keys"]
         assert n == n_ref == n_got and n > 0, (key, v)

@@ -159,7 +159,7 @@ def test_moe_recorded_routing_does_not_depend_on_the_layout(reports):
 def test_moe_old_vs_update_logprob_gap_is_reported(reports, capsys):
     """Guards against the gap measurement silently measuring nothing (no old-policy pass,
     or a zero gap): mini-batch 2's mean |logp - old_logp| after one optimizer step, with and
-    without replay, at every layout; the numbers go into the README."""
+    without replay, at every layout; the numbers are in docs/guides/moe.md."""
     lines = []
     for layout in LAYOUT_KEYS:
         gaps = {mode: max(r[f"{layout} {mode}"]["gap_mb2"] for r in reports) for mode in ("off", "record-in-trainer")}

@@ -1,0 +1,169 @@
+"""YAML and command-line coercion for the typed run configuration (``grpo_mega.config``).
+
+Generic over any dataclass of dataclass sections: it reads the field docstrings, parses
+``--section.key=value`` overrides and converts each value to its field's annotation, so
+that the schema in ``config.py`` stays a list of typed, documented fields. Imports nothing
+of ours (``config`` imports it).
+
+    apply_overrides(cfg, ["--parallel.tp=2"])
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import typing
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config value is malformed or impossible; the message names the field."""
+
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings of a dataclass, read from its source."""
+    try:
+        tree = ast.parse(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    docs, body = {}, tree.body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                and isinstance(getattr(nxt, "value", None), ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = nxt.value.value
+    return docs
+
+
+# ------------------------------------------------------------------ type coercion
+
+def type_name(tp: Any) -> str:
+    """A field annotation as the docs and ``--help`` show it: ``int``, ``str or null``,
+    ``list[str]``."""
+    if tp is type(None):
+        return "null"
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(type_name(a) for a in typing.get_args(tp))}]"
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check/convert ``value`` to annotation ``tp``; strings from the CLI are parsed."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
+            return None
+        return _coerce(value, args[0], where)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp) or (Any, Any)
+        if isinstance(value, str):
+            try:
+                value = yaml.safe_load(value) if value.strip() else {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{where}: not a YAML mapping ({e})") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return {_coerce(k, key_tp, f"{where} key {k!r}"): _coerce(v, val_tp, f"{where}[{k!r}]")
+                for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def _section_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def apply_dict(cfg: Any, data: dict, source: str) -> Any:
+    """Merge a nested dict (from YAML) into ``cfg``; unknown keys are errors."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level must be a mapping of sections")
+    sections = [f.name for f in dataclasses.fields(cfg)]
+    for sec_name, values in data.items():
+        if not isinstance(sec_name, str) or sec_name not in sections:
+            raise ConfigError(f"{source}: unknown section {sec_name!r}; known: {sections}")
+        section = getattr(cfg, sec_name)
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: section {sec_name!r} must be a mapping")
+        types = _section_types(type(section))
+        for key, value in values.items():
+            if not isinstance(key, str) or key not in types:
+                raise ConfigError(f"{source}: unknown field {sec_name}.{key}; known: {sorted(types)}")
+            setattr(section, key, _coerce(value, types[key], f"{sec_name}.{key} (in {source})"))
+    return cfg
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """``['--a.b=1', '--c.d', '2']`` -> ``[('a.b', '1'), ('c.d', '2')]``."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=")[0]:
+            raise ConfigError(f"unrecognised argument {arg!r}; overrides look like --section.key=value")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"{arg} needs a value (use {arg}=VALUE)")
+            key, value = arg[2:], args[i + 1]
+            i += 1
+        out.append((key, value))
+        i += 1
+    return out
+
+
+def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
+    for key, value in parse_overrides(overrides):
+        sec_name, _, name = key.partition(".")
+        section = getattr(cfg, sec_name, None)
+        if section is None or not dataclasses.is_dataclass(section):
+            raise ConfigError(f"--{key}: unknown section {sec_name!r}")
+        types = _section_types(type(section))
+        if name not in types:
+            raise ConfigError(f"--{key}: unknown field; {sec_name} has {sorted(types)}")
+        setattr(section, name, _coerce(value, types[name], f"{key} (from --{key})"))
+    return cfg

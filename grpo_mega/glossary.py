@@ -1,0 +1,69 @@
+"""What every metric the trainer logs means, with its unit: the one list the docs'
+metrics glossary is generated from (``tools/gen_docs.py``) and the integration tests hold
+``metrics.jsonl`` to (a logged key missing here fails them).
+
+Each row of ``metrics.jsonl`` is one step (``step`` 0 holds the initial evaluation only).
+Per-token metrics are means over the step's response tokens on every DP replica; reward
+metrics are means over the step's samples. Imports nothing.
+"""
+from __future__ import annotations
+
+# name -> (unit, meaning)
+METRICS: dict[str, tuple[str, str]] = {
+    "step": ("count", "GRPO step; 0 is the evaluation before training"),
+    "time": ("Unix seconds", "wall-clock time the row was written"),
+    # rollout and reward (stage reward), over every sample of the step (every DAPO round)
+    "reward_mean": ("reward", "mean total reward of the step's samples (weighted sum of reward.functions)"),
+    "reward_std": ("reward", "standard deviation of the samples' total rewards"),
+    "accuracy": ("fraction", "share of samples whose reward is >= 1 (solved)"),
+    "response_len": ("tokens", "mean response length"),
+    "truncated_frac": ("fraction", "share of responses cut at rollout.max_new_tokens"),
+    "reward_failures": ("count", "samples whose reward function raised or timed out (scored 0 under "
+                                 "reward.on_error=zero)"),
+    # DAPO dynamic sampling (algorithm.dynamic_sampling)
+    "dapo_rounds": ("count", "sampling rounds this step took"),
+    "groups_used": ("count", "groups with a reward spread trained on"),
+    "groups_dropped": ("count", "groups dropped because all their rewards were equal"),
+    "groups_spare": ("count", "groups with a spread beyond the batch (or the DP cut), dropped"),
+    "empty_step": ("flag (1)", "no group had a reward spread: no update, the scheduler did not advance"),
+    # the update (stage update), means over response tokens
+    "loss": ("nats / token", "the GRPO loss as optimised: surrogate plus kl_coef x KL, aggregated by "
+                             "algorithm.loss_agg"),
+    "kl": ("nats / token", "KL(policy || reference) estimate of algorithm.kl_kind, before kl_coef"),
+    "entropy": ("nats / token", "entropy of the policy's sampling distribution (logits / T)"),
+    "clipfrac_low": ("fraction", "tokens with a negative advantage whose ratio fell below 1 - clip_low"),
+    "clipfrac_high": ("fraction", "tokens with a positive advantage whose ratio rose above 1 + clip_high"),
+    "clipfrac": ("fraction", "clipfrac_low + clipfrac_high"),
+    "dual_clipfrac": ("fraction", "tokens clipped by the dual clip (algorithm.dual_clip set)"),
+    "ratio_mean": ("ratio", "mean importance ratio pi_theta / pi_old (1 on-policy)"),
+    "rollout_logp_gap": ("nats / token", "mean |trainer log-prob - vLLM log-prob| of the sampled tokens: "
+                                         "engine/trainer mismatch (and top-p/top-k truncation)"),
+    "tis_weight_mean": ("ratio", "mean truncated importance-sampling weight (algorithm.tis_cap set)"),
+    "tis_clipfrac": ("fraction", "tokens whose TIS weight hit algorithm.tis_cap"),
+    "grad_norm": ("L2 norm", "global gradient norm before clipping (over TP, PP and DP)"),
+    "skipped": ("flag (0/1)", "1 when the update was skipped for a non-finite gradient norm"),
+    # after the update
+    "sync_gbps": ("GB/s", "weight sync throughput into the rollout engine (HF bytes / sync seconds)"),
+    "tokens_per_s": ("tokens / s", "prompt + response tokens of the step (all DP replicas, unpadded) over the step's wall time"),
+    "ref_reset": ("flag (1)", "iterative GRPO reset the KL reference to the policy after this step"),
+    "eval_accuracy": ("fraction", "held-out accuracy: greedy (data.eval_samples=1) or pass@k"),
+}
+
+# stage -> meaning; each is logged as ``time/<stage>`` in seconds
+STAGES: dict[str, str] = {
+    "rollout": "sampling rollout.n responses per prompt from the engines (every DAPO round)",
+    "reward": "scoring the samples in the reward workers (every DAPO round)",
+    "advantage": "group advantages and packing the TrainingBatch",
+    "release": "putting the engine to sleep (rollout.sleep_between_rollouts) before training",
+    "logprobs": "the reference (and old-policy) log-prob forwards",
+    "update": "forward, backward and optimizer steps of the policy",
+    "resume": "waking the engine up before the weight sync",
+    "sync": "exporting the weights into the engines and verifying them",
+}
+
+
+def is_documented(key: str) -> bool:
+    """A ``metrics.jsonl`` key is in the glossary (``time/<stage>`` for a known stage)."""
+    if key.startswith("time/"):
+        return key[5:] in STAGES
+    return key in METRICS
