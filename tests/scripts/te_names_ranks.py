@@ -62,6 +62,15 @@ def _save(model, ps, path: Path) -> Path:
     return path
 
 
+def _checked(report: dict, key: str, check) -> None:
+    """report[key] = check() (a list of what differs), or the error it raised: a broken step
+    fails its own test, and the launch goes on (every rank fails alike, so collectives pair)."""
+    try:
+        report[key] = check()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        report[key] = [f"{type(e).__name__}: {str(e)[:500]}"]
+
+
 def _layout(cfg, root: Path, hf_dir: Path, mcore: Path, original: dict, tag: str, tp: int, ep: int,
             report: dict) -> None:
     from grpo_mega.checkpoint.convert import load_hf_weights, load_mcore_weights, mcore_to_hf
@@ -69,27 +78,37 @@ def _layout(cfg, root: Path, hf_dir: Path, mcore: Path, original: dict, tag: str
     from tests.scripts.bridge_fixtures import read_hf_tensors
 
     ps = _reinit(tp, ep)
-    te = build_model(cfg, ps, use_te=True)
+    # fresh models per load: a load that silently skipped a tensor would otherwise pass
+    te, other, fresh, local = (build_model(cfg, ps, use_te=use_te) for use_te in (True, True, True, False))
     if f"names {tag.split()[0]}" not in report and torch.distributed.get_rank() == 0:
         report[f"names {tag.split()[0]}"] = {
             "cfg": cfg, "params": [n for n, _ in te.named_parameters()],
             "keys": sorted({getattr(v, "key", k) for k, v in sharded_state_dict(te, ps).items()})}
-    load_mcore_weights(te, mcore, ps, cfg)
-    report[f"export {tag}"] = _diff(original, _export(te, cfg, ps))
-    other = build_model(cfg, ps, use_te=True)
-    load_hf_weights(other, hf_dir, ps, cfg)
-    theirs = dict(other.named_parameters())
-    report[f"hf_load {tag}"] = [n for n, p in te.named_parameters() if not torch.equal(p, theirs[n])]
 
-    te_ckpt = _save(te, ps, root / f"te {tag}")
-    local = build_model(cfg, ps, use_te=False)
-    load_mcore_weights(local, te_ckpt, ps, cfg)
-    report[f"te_to_local {tag}"] = _diff(original, _export(local, cfg, ps))
-    local_ckpt = _save(local, ps, root / f"local {tag}")
-    load_mcore_weights(other, local_ckpt, ps, cfg)
-    report[f"local_to_te {tag}"] = _diff(original, _export(other, cfg, ps))
-    back = mcore_to_hf(te_ckpt, root / f"back {tag}", hf_config_dir=hf_dir, progress=None)
-    report[f"te_to_hf {tag}"] = _diff(original, read_hf_tensors(back))
+    def export():
+        load_mcore_weights(te, mcore, ps, cfg)
+        return _diff(original, _export(te, cfg, ps))
+
+    def hf_load():
+        load_hf_weights(other, hf_dir, ps, cfg)
+        theirs = dict(other.named_parameters())
+        return [n for n, p in te.named_parameters() if not torch.equal(p, theirs[n])]
+
+    def te_to_local():
+        load_mcore_weights(local, _save(te, ps, root / f"te {tag}"), ps, cfg)
+        return _diff(original, _export(local, cfg, ps))
+
+    def local_to_te():
+        load_mcore_weights(fresh, _save(local, ps, root / f"local {tag}"), ps, cfg)
+        return _diff(original, _export(fresh, cfg, ps))
+
+    def te_to_hf():
+        back = mcore_to_hf(root / f"te {tag}", root / f"back {tag}", hf_config_dir=hf_dir, progress=None)
+        return _diff(original, read_hf_tensors(back))
+
+    for key, check in (("export", export), ("hf_load", hf_load), ("te_to_local", te_to_local),
+                       ("local_to_te", local_to_te), ("te_to_hf", te_to_hf)):
+        _checked(report, f"{key} {tag}", check)
 
 
 def _rank_main(rank: int, world: int, root: str) -> dict:
