@@ -58,10 +58,13 @@ SPECS = {
     },
     "megatron-core": {
         "signatures": {
+            # from 0.17 the spec functions take (*args, **kwargs) and copy the signature of
+            # their ``*_submodules`` function: read that one where it exists
             "get_gpt_layer_with_transformer_engine_spec": (
-                "megatron/core/models/gpt/gpt_layer_specs.py", None, "get_gpt_layer_with_transformer_engine_spec"),
+                "megatron/core/models/gpt/gpt_layer_specs.py", None,
+                ("get_gpt_layer_with_transformer_engine_submodules", "get_gpt_layer_with_transformer_engine_spec")),
             "get_gpt_layer_local_spec": ("megatron/core/models/gpt/gpt_layer_specs.py", None,
-                                         "get_gpt_layer_local_spec"),
+                                         ("get_gpt_layer_local_submodules", "get_gpt_layer_local_spec")),
             "GPTModel.__init__": ("megatron/core/models/gpt/gpt_model.py", "GPTModel", "__init__"),
             "initialize_model_parallel": ("megatron/core/parallel_state.py", None, "initialize_model_parallel"),
             "DistributedDataParallel.__init__": ("megatron/core/distributed/distributed_data_parallel.py",
@@ -105,11 +108,13 @@ def _params(fn: ast.FunctionDef) -> list[dict]:
     return out
 
 
-def _find(tree: ast.Module, cls: str | None, fn: str):
+def _find(tree: ast.Module, cls: str | None, fn: str | tuple[str, ...]):
+    """The function ``fn`` (or the first of several candidate names that exists)."""
     body = tree.body
     if cls is not None:
         body = next(n.body for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
-    return next(n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == fn)
+    funcs = {n.name: n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    return next(funcs[f] for f in ((fn,) if isinstance(fn, str) else fn) if f in funcs)
 
 
 def _fields(tree: ast.Module, cls: str) -> list[str]:
