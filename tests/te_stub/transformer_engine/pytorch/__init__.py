@@ -45,12 +45,26 @@ def _param(shape, dtype, device, init: Optional[Callable], fill: Optional[float]
     return p
 
 
-def _partitioned(in_features: int, out_features: int, parallel_mode: Optional[str], tp_size: int):
+def _linear_attrs(mod, in_features: int, out_features: int, parallel_mode: Optional[str], tp_size: int,
+                  bias: bool, return_bias: bool) -> None:
+    """TE's linear attributes; ``in/out_features`` are this TP rank's (TE divides them)."""
     if parallel_mode == "column":
-        return in_features, out_features // tp_size
-    if parallel_mode == "row":
-        return in_features // tp_size, out_features
-    return in_features, out_features
+        out_features //= tp_size
+    elif parallel_mode == "row":
+        in_features //= tp_size
+    mod.in_features, mod.out_features = in_features, out_features
+    mod.use_bias, mod.return_bias = bias, return_bias
+    mod.tp_size, mod.parallel_mode = tp_size, parallel_mode
+
+
+def _weight_and_bias(mod, init_method, params_dtype, device, suffix: str = "") -> None:
+    """``weight{suffix}`` [out, in] and ``bias{suffix}`` (a parameter only when used)."""
+    mod.register_parameter("weight" + suffix, _param((mod.out_features, mod.in_features), params_dtype,
+                                                     device, init_method))
+    if mod.use_bias:
+        mod.register_parameter("bias" + suffix, _param((mod.out_features,), params_dtype, device, None))
+    else:
+        setattr(mod, "bias" + suffix, torch.empty(0, dtype=params_dtype, device=device))
 
 
 class Linear(_TEModule):
@@ -59,14 +73,8 @@ class Linear(_TEModule):
                  parallel_mode: Optional[str] = None, params_dtype=None, device=None,
                  return_bias: bool = False, **_ignored):
         super().__init__()
-        self.in_features, self.out_features = _partitioned(in_features, out_features, parallel_mode, tp_size)
-        self.use_bias, self.return_bias = bias, return_bias
-        self.tp_size, self.parallel_mode = tp_size, parallel_mode
-        self.weight = _param((self.out_features, self.in_features), params_dtype, device, init_method)
-        if bias:
-            self.bias = _param((self.out_features,), params_dtype, device, None)
-        else:
-            self.bias = torch.empty(0, dtype=params_dtype, device=device)
+        _linear_attrs(self, in_features, out_features, parallel_mode, tp_size, bias, return_bias)
+        _weight_and_bias(self, init_method, params_dtype, device)
 
 
 class LayerNormLinear(_TEModule):
@@ -75,17 +83,12 @@ class LayerNormLinear(_TEModule):
                  parallel_mode: Optional[str] = None, params_dtype=None, device=None,
                  normalization: str = "LayerNorm", return_bias: bool = False, **_ignored):
         super().__init__()
-        self.in_features, self.out_features = _partitioned(in_features, out_features, parallel_mode, tp_size)
-        self.eps, self.use_bias, self.return_bias = eps, bias, return_bias
-        self.tp_size, self.parallel_mode, self.normalization = tp_size, parallel_mode, normalization
+        _linear_attrs(self, in_features, out_features, parallel_mode, tp_size, bias, return_bias)
+        self.eps, self.normalization = eps, normalization
         self.layer_norm_weight = _param((in_features,), params_dtype, device, None, fill=1.0)
         if normalization == "LayerNorm":
             self.layer_norm_bias = _param((in_features,), params_dtype, device, None)
-        self.weight = _param((self.out_features, self.in_features), params_dtype, device, init_method)
-        if bias:
-            self.bias = _param((self.out_features,), params_dtype, device, None)
-        else:
-            self.bias = torch.empty(0, dtype=params_dtype, device=device)
+        _weight_and_bias(self, init_method, params_dtype, device)
 
 
 class GroupedLinear(_TEModule):
@@ -95,19 +98,11 @@ class GroupedLinear(_TEModule):
                  return_bias: bool = False, **_ignored):
         super().__init__()
         self.num_gemms = num_gemms
-        self.in_features, self.out_features = _partitioned(in_features, out_features, parallel_mode, tp_size)
-        self.use_bias, self.return_bias = bias, return_bias
-        self.tp_size, self.parallel_mode = tp_size, parallel_mode
+        _linear_attrs(self, in_features, out_features, parallel_mode, tp_size, bias, return_bias)
         self.fp8 = self.fp8_calibration = False
         self.fp8_meta = {"fp8_checkpoint": False, "recipe": None}
         for i in range(num_gemms):
-            self.register_parameter(f"weight{i}", _param((self.out_features, self.in_features),
-                                                         params_dtype, device, init_method))
-        for i in range(num_gemms):
-            if bias:
-                self.register_parameter(f"bias{i}", _param((self.out_features,), params_dtype, device, None))
-            else:
-                setattr(self, f"bias{i}", torch.empty(0, dtype=params_dtype, device=device))
+            _weight_and_bias(self, init_method, params_dtype, device, suffix=str(i))
 
     def init_fp8_metadata(self, num_gemms: int = 1) -> None:
         pass
