@@ -65,9 +65,11 @@ def _save(model, ps, path: Path) -> Path:
 def _checked(report: dict, key: str, check) -> None:
     """report[key] = check() (a list of what differs), or the error it raised: a broken step
     fails its own test, and the launch goes on (every rank fails alike, so collectives pair)."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
     try:
         report[key] = check()
-    except Exception as e:  # noqa: BLE001 - reported to the test
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported to the test
         report[key] = [f"{type(e).__name__}: {str(e)[:500]}"]
 
 
