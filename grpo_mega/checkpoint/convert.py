@@ -76,6 +76,7 @@ _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 # pre-MLP norm is not fused (the TE spec builds a TENorm ``pre_mlp_layernorm``).
 _KEY_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight"}
 _DENSE_KEY_RENAMES = {**_KEY_RENAMES, "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+_LEGACY_MOE_NORM_KEY = "decoder.layers.mlp.linear_fc1.layer_norm_weight"
 
 
 def checkpoint_key(name: str, cfg: ModelConfig) -> tuple[str, tuple[int, ...]]:
@@ -114,8 +115,12 @@ def _validate_checkpoint(meta: dict, cfg: ModelConfig, ckpt_dir) -> None:
     otherwise load silently (partly zero)."""
     for key, want in _expected_keys(cfg).items():
         if key not in meta:
-            raise MissingTensorError(f"checkpoint {ckpt_dir} has no tensor {key!r} "
-                                     f"(expected shape {want} for {cfg.family})")
+            legacy = cfg.num_experts and _LEGACY_MOE_NORM_KEY in meta
+            raise MissingTensorError(
+                f"checkpoint {ckpt_dir} has no tensor {key!r} (expected shape {want} for {cfg.family})"
+                + (f"; it holds {_LEGACY_MOE_NORM_KEY!r}, where MoE checkpoints written before "
+                   "the Transformer Engine key fix keep that norm: convert the model again from HF "
+                   "(tools/convert_checkpoint.py)" if legacy else ""))
         got = tuple(meta[key].global_shape)
         vocab_ok = (key in ("embedding.word_embeddings.weight", "output_layer.weight")
                     and got[1:] == want[1:] and got[0] >= want[0]

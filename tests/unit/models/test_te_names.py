@@ -94,3 +94,21 @@ def test_gpu_ready_checkpoints_move_between_te_and_local_spec(reports, tag):
         assert r[f"te_to_local {tag}"] == []
         assert r[f"local_to_te {tag}"] == []
         assert r[f"te_to_hf {tag}"] == []
+
+
+def test_moe_checkpoint_with_the_old_norm_key_is_refused_with_the_fix_named(tmp_path):
+    """Guards against an MoE checkpoint written before the key fix (pre_mlp_layernorm under the
+    dense spec's fused key) failing with megatron's bare KeyError: the error names both keys
+    and how to get a loadable checkpoint."""
+    import types
+
+    from grpo_mega.config import ModelConfig
+    from grpo_mega.models.hf import MissingTensorError
+
+    cfg = ModelConfig(family="qwen3_moe", vocab_size=100, hidden_size=64, num_layers=2, num_attention_heads=2,
+                      num_query_groups=1, ffn_hidden_size=64, num_experts=4, moe_router_topk=2,
+                      moe_ffn_hidden_size=32)
+    meta = {k: types.SimpleNamespace(global_shape=v) for k, v in convert._expected_keys(cfg).items()}
+    meta["decoder.layers.mlp.linear_fc1.layer_norm_weight"] = meta.pop("decoder.layers.pre_mlp_layernorm.weight")
+    with pytest.raises(MissingTensorError, match="pre_mlp_layernorm.*linear_fc1.layer_norm_weight.*convert"):
+        convert._validate_checkpoint(meta, cfg, tmp_path)
