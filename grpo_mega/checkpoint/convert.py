@@ -12,8 +12,10 @@ What:
 All names and layouts come from ``grpo_mega.models.hf`` (the same table the weight
 bridge uses). The checkpoint keys are megatron's own sharded keys: layers are one
 tensor with a leading layer axis (``decoder.layers.self_attention.linear_qkv.weight``
-[L, ...]); the pre-attention / pre-MLP norms use the Transformer Engine spelling
-(``...linear_qkv.layer_norm_weight``) whatever the layer spec; linear_fc1 is [gate; up]
+[L, ...]); the norms use the Transformer Engine spec's keys whatever the layer spec: TE fuses
+the pre-attention norm, and a dense model's pre-MLP norm, into the next linear
+(``...linear_qkv.layer_norm_weight``), while an MoE layer keeps a real
+``pre_mlp_layernorm`` (``models.gpt.layer_spec`` makes the local spec agree); linear_fc1 is [gate; up]
 globally; the vocabulary is stored unpadded (megatron marks the embedding and output
 layer ``allow_shape_mismatch``, so each TP layout pads on load).
 
@@ -70,19 +72,23 @@ HF_SIDE_DIR = "hf"  # config.json, generation_config.json, tokenizer files of th
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
-# megatron's sharded keys use the Transformer Engine names of the fused norms
-_KEY_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-                "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+# megatron's sharded keys use the Transformer Engine names of the fused norms. An MoE layer's
+# pre-MLP norm is not fused (the TE spec builds a TENorm ``pre_mlp_layernorm``).
+_KEY_RENAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight"}
+_DENSE_KEY_RENAMES = {**_KEY_RENAMES, "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+_LEGACY_MOE_NORM_KEY = "decoder.layers.mlp.linear_fc1.layer_norm_weight"
 
 
-def checkpoint_key(name: str) -> tuple[str, tuple[int, ...]]:
-    """(megatron sharded key, indices on its prepended axes) of a canonical tensor: () for
-    a non-layer tensor, (layer,) for a layer's, (layer, expert) for an expert's (megatron's
-    SequentialMLP stacks experts on a second axis: ``decoder.layers.mlp.experts.experts.*``)."""
+def checkpoint_key(name: str, cfg: ModelConfig) -> tuple[str, tuple[int, ...]]:
+    """(megatron sharded key, indices on its prepended axes) of a canonical tensor of model
+    ``cfg``: () for a non-layer tensor, (layer,) for a layer's, (layer, expert) for an
+    expert's (megatron's SequentialMLP and TE's grouped experts both stack experts on a
+    second axis: ``decoder.layers.mlp.experts.experts.*``)."""
     m = _LAYER.match(name)
     if not m:
         return name, ()
-    rest = _KEY_RENAMES.get(m.group(2), m.group(2))
+    renames = _KEY_RENAMES if cfg.num_experts else _DENSE_KEY_RENAMES
+    rest = renames.get(m.group(2), m.group(2))
     e = _EXPERT.match(rest)
     if e:
         return f"decoder.layers.mlp.experts.experts.{e.group(2)}", (int(m.group(1)), int(e.group(1)))
@@ -98,7 +104,7 @@ def _expected_keys(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Sharded key -> global shape (layers, experts stacked on leading axes; vocab unpadded)."""
     out = {}
     for name in mapping.canonical_names(cfg):
-        key, axes = checkpoint_key(name)
+        key, axes = checkpoint_key(name, cfg)
         out[key] = _axis_sizes(cfg, len(axes)) + mapping.canonical_shape(name, cfg)
     return out
 
@@ -109,8 +115,12 @@ def _validate_checkpoint(meta: dict, cfg: ModelConfig, ckpt_dir) -> None:
     otherwise load silently (partly zero)."""
     for key, want in _expected_keys(cfg).items():
         if key not in meta:
-            raise MissingTensorError(f"checkpoint {ckpt_dir} has no tensor {key!r} "
-                                     f"(expected shape {want} for {cfg.family})")
+            legacy = cfg.num_experts and _LEGACY_MOE_NORM_KEY in meta
+            raise MissingTensorError(
+                f"checkpoint {ckpt_dir} has no tensor {key!r} (expected shape {want} for {cfg.family})"
+                + (f"; it holds {_LEGACY_MOE_NORM_KEY!r}, where MoE checkpoints written before "
+                   "the Transformer Engine key fix keep that norm: convert the model again from HF "
+                   "(tools/convert_checkpoint.py)" if legacy else ""))
         got = tuple(meta[key].global_shape)
         vocab_ok = (key in ("embedding.word_embeddings.weight", "output_layer.weight")
                     and got[1:] == want[1:] and got[0] >= want[0]
@@ -176,7 +186,7 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                                unit="tensor", enabled=bar)
         for i, name in enumerate(tensors):
             t = mapping.hf_to_canonical(name, reader.get, cfg)
-            key, axes = checkpoint_key(name)
+            key, axes = checkpoint_key(name, cfg)
             offsets = [(ax, idx, size) for ax, (idx, size)
                        in enumerate(zip(axes, _axis_sizes(cfg, len(axes))))]
             sharded[name] = ShardedTensor.from_rank_offsets(key, t, *offsets, replica_id=0,
@@ -245,7 +255,7 @@ def _load_group(group: list[str], meta: dict, ckpt_dir: Path, cfg: ModelConfig) 
 
     sharded = {}
     for name in group:
-        key, axes = checkpoint_key(name)
+        key, axes = checkpoint_key(name, cfg)
         md = meta[key]
         shape = tuple(md.global_shape)
         n = len(axes)
@@ -257,7 +267,7 @@ def _load_group(group: list[str], meta: dict, ckpt_dir: Path, cfg: ModelConfig) 
     # One layer of a stacked tensor is a partial read, which the access-pattern check
     # (meant for whole-model loads) would reject.
     loaded = dist_checkpointing.load(sharded, str(ckpt_dir), validate_access_integrity=False)
-    return {n: t.reshape(t.shape[len(checkpoint_key(n)[1]):]) for n, t in loaded.items()}
+    return {n: t.reshape(t.shape[len(checkpoint_key(n, cfg)[1]):]) for n, t in loaded.items()}
 
 
 def mcore_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, *,

@@ -16,6 +16,7 @@ import torch
 
 log = logging.getLogger(__name__)
 _APPLIED = False
+_MEGATRON_OPTIMIZER = False
 CPU = torch.device("cpu")
 
 
@@ -177,3 +178,43 @@ def apply() -> bool:
     _APPLIED = True
     log.info("cpu_compat: megatron-core patched for a CPU-only torch")
     return True
+
+
+def megatron_optimizer_on_cpu() -> bool:
+    """True once ``enable_megatron_optimizer`` ran (tests only)."""
+    return _MEGATRON_OPTIMIZER
+
+
+class _CudaNamesOnCpu(torch.overrides.TorchFunctionMode):
+    """megatron's optimizer code names CUDA outright: ``device='cuda'`` allocations
+    (optimizer.py, clip_grads.py), ``.cuda()`` copies (distrib_optimizer.py's state gather)
+    and ``param.type() == 'torch.cuda.FloatTensor'`` checks (which sort parameters into
+    fp32 / bf16 groups). Here those allocate on the CPU, ``.cuda()`` keeps the tensor, and a
+    CPU tensor's ``type()`` answers with its CUDA name. Nothing changes numerically."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        dev = kwargs.get("device")
+        if dev is not None and not isinstance(dev, int) and torch.device(dev).type == "cuda":
+            kwargs = {**kwargs, "device": CPU}
+        out = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and isinstance(out, str) \
+                and not out.startswith("torch.cuda."):
+            return "torch.cuda." + out[len("torch."):]
+        return out
+
+
+def enable_megatron_optimizer() -> None:
+    """Let megatron's DDP + DistributedOptimizer (``optimizer.distributed_impl=megatron``) run
+    on CPU, for tests that compare it with the project's optimizers over gloo: for the rest of
+    this process CUDA-named allocations land on the CPU (``_CudaNamesOnCpu``). Not used by
+    training, where preflight refuses that setting without CUDA. Megatron also needs its gloo
+    DP groups (``initialize_model_parallel(create_gloo_process_groups=True)``)."""
+    global _MEGATRON_OPTIMIZER
+    if not needed() or _MEGATRON_OPTIMIZER:
+        return
+    apply()
+    _CudaNamesOnCpu().__enter__()  # stays on: this process now stands in for a GPU job
+    _MEGATRON_OPTIMIZER = True

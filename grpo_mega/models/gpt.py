@@ -179,6 +179,13 @@ def layer_spec(m: ModelConfig, use_te: bool):
         spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, **moe)
     else:
         spec = specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm", **moe)
+        if m.num_experts:
+            # The local spec saves pre_mlp_layernorm under TE's fused key, which a dense TE
+            # layer has; the TE MoE layer keeps a real pre_mlp_layernorm (its key unchanged).
+            # Drop the rename so MoE checkpoints load under either spec (CPU <-> GPU).
+            keys = dict(spec.submodules.sharded_state_dict_keys_map)
+            keys.pop("pre_mlp_layernorm.", None)
+            spec.submodules.sharded_state_dict_keys_map = keys
     return spec
 
 

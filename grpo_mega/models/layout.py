@@ -20,6 +20,12 @@ MoE experts (``mlp.experts.local_experts.{k}.linear_fc1/fc2``) follow the fc1/fc
 over TP (expert TP = TP), and over EP each rank holds a contiguous block of experts:
 local index k on EP rank r is global expert r * (num_experts / ep) + k. Canonical names
 carry the global index (``expert_offset`` converts).
+
+Transformer Engine's grouped experts (``TEGroupedMLP``, the TE spec with
+``moe_grouped_gemm``) hold one tensor per local expert in one module:
+``mlp.experts.linear_fc1.weight{k}``. ``to_global_name`` spells them as the sequential
+experts above, so the canonical form (and every table and rule after it) is one for
+both specs; each ``weight{k}`` has the shape of ``local_experts.{k}.linear_fc1.weight``.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ import torch.distributed as dist
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+_GROUPED = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
@@ -61,11 +68,22 @@ def expert_offset(model, ps) -> int:
     return getattr(ps, "ep_rank", 0) * (experts // ep) if experts else 0
 
 
+def sequential_expert_name(rest: str) -> str:
+    """A layer-relative name with TE's grouped expert tensors spelled as sequential experts:
+    ``mlp.experts.linear_fc1.weight3`` -> ``mlp.experts.local_experts.3.linear_fc1.weight``;
+    any other name unchanged."""
+    g = _GROUPED.match(rest)
+    return f"mlp.experts.local_experts.{g.group(3)}.{g.group(1)}.{g.group(2)}" if g else rest
+
+
 def to_global_name(local: str, pp_rank: int, layers_per_stage: int, expert_offset: int = 0) -> str:
+    """Canonical name of a local parameter (either layer spec): global layer and expert
+    indices, grouped experts spelled as sequential ones."""
     m = _LAYER.match(local)
     if not m:
         return local
-    rest = _shift_expert(m.group(2), expert_offset) if expert_offset else m.group(2)
+    rest = sequential_expert_name(m.group(2))
+    rest = _shift_expert(rest, expert_offset) if expert_offset else rest
     return f"decoder.layers.{int(m.group(1)) + pp_rank * layers_per_stage}.{rest}"
 
 

@@ -3,8 +3,10 @@ the interface of ``ParallelAdamW`` / ``DistributedAdamW``: the GPU path users al
 
 Selected by ``optimizer.use_distributed_optimizer: true`` with
 ``optimizer.distributed_impl: megatron``. megatron's DDP buffers and optimizer allocate on
-CUDA and its bf16/clip code asserts CUDA tensors (PLATFORM_NOTES), so this runs on GPUs
-only; preflight refuses it without CUDA and there is no CPU fallback here.
+CUDA and its bf16/clip code asserts CUDA tensors (PLATFORM_NOTES), so training runs it on
+GPUs only; preflight refuses it without CUDA. Tests run it on CPU at DP=2 over gloo after
+``cpu_compat.enable_megatron_optimizer()``, which moves those CUDA-named allocations to the CPU
+(tests/unit/optim/test_megatron_optimizer.py).
 
 * The model chunk is wrapped in megatron's ``DistributedDataParallel`` (``self.ddp``): the
   parameters become views into its padded per-dtype buffers, and its backward hooks add
@@ -33,6 +35,7 @@ import math
 import torch
 
 from grpo_mega.config import OptimizerConfig
+from grpo_mega.distributed import cpu_compat
 from grpo_mega.distributed.state import ParallelState
 from grpo_mega.faults import fault_point
 
@@ -44,7 +47,7 @@ class MegatronDistributedAdamW:
     Build it before the first backward (DDP's hooks collect the grads)."""
 
     def __init__(self, model, cfg: OptimizerConfig, ps: ParallelState):
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available() and not cpu_compat.megatron_optimizer_on_cpu():
             raise RuntimeError("optimizer.distributed_impl=megatron needs a CUDA GPU; use "
                                "--optimizer.distributed_impl=grpo")
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

@@ -10,7 +10,9 @@ global layer indices, unsharded, vocabulary rows = the true vocabulary.
 A table is data: a tuple of ``Rule(mcore pattern, hf patterns, kind, when)``.
 ``{i}`` in a pattern is the global layer index, ``{e}`` the global expert index (MoE
 families: megatron's ``local_experts.{e}`` is named with the *global* expert index in
-canonical form; ``models.layout`` maps it to a rank's local index). ``kind`` names the converter:
+canonical form; ``models.layout`` maps it to a rank's local index, and spells the Transformer
+Engine spec's grouped experts ``mlp.experts.linear_fc1.weight{k}`` the same way). ``kind``
+names the converter:
 
   copy     one tensor, unchanged
   vocab    embedding / output layer: [V(_pad), h] -> [V, h] (megatron padding rows

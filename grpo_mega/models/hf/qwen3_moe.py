@@ -6,6 +6,9 @@ as ``save_pretrained`` writes them even though transformers fuses them in memory
 the router ``mlp.gate``. megatron's local / sequential experts are
 ``mlp.experts.local_experts.{e}.linear_fc1`` ([gate; up], like the dense fc1) and
 ``linear_fc2``, and the router ``mlp.router``. ``{e}`` here is the global expert index.
+The TE spec's grouped experts (``mlp.experts.linear_fc1.weight{k}``) reach this table in that
+spelling (``models.layout.to_global_name``). Both specs keep a real ``pre_mlp_layernorm``
+in MoE layers, so the dense table's fused ``mlp.linear_fc1.layer_norm_weight`` alias is dropped.
 """
 from grpo_mega.models.hf import qwen3
 from grpo_mega.models.hf.llama import MLP, M

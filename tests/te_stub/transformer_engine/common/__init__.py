@@ -1,0 +1,1 @@
+from transformer_engine.common import recipe  # noqa: F401

