@@ -89,7 +89,7 @@ def refill(t: Trainer, step: int, batch: RolloutBatch, rewards: list, stats: dic
     n, target, cap = t.cfg.rollout.n, t.cfg.data.prompts_per_step, t.cfg.algorithm.dynamic_sampling_max_rounds
     dp_group = t.ps.dp_group if t.ps.dp > 1 else None
     kept, rounds, per_round = D.keep_groups(batch, rewards, n), 1, [dict(stats)]
-    more, total = D.need_more_groups(kept.num_groups, target, rounds, cap, dp_group)
+    more, total = D.need_more_groups(kept.num_groups, target, rounds, cap, dp_group, t.ps.device)
     while more:
         with stage("rollout", timings):
             prompts, batch = rollout(t, step, round=rounds)
@@ -98,7 +98,7 @@ def refill(t: Trainer, step: int, batch: RolloutBatch, rewards: list, stats: dic
         rounds += 1
         per_round.append(round_stats)
         kept.extend(D.keep_groups(batch, rewards, n))
-        more, total = D.need_more_groups(kept.num_groups, target, rounds, cap, dp_group)
+        more, total = D.need_more_groups(kept.num_groups, target, rounds, cap, dp_group, t.ps.device)
     mine = D.deal_groups(kept, target, t.ps.dp_rank, dp_group)
     used = mine.num_groups * t.ps.dp
     stats.update(_mean_over_rounds(per_round), dapo_rounds=float(rounds), groups_used=float(used),
@@ -177,7 +177,7 @@ def reward(t: Trainer, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list
     lens = torch.tensor(batch.response_lengths, dtype=torch.float64)
     truncated = sum(f == "length" for f in batch.finish_reasons)
     v = torch.tensor([r.sum(), (r * r).sum(), float(len(r)), (r >= 1.0).sum(), lens.sum(), truncated],
-                     dtype=torch.float64)
+                     dtype=torch.float64, device=t.ps.device)  # NCCL groups take device tensors only
     if t.ps.dp > 1:
         dist.all_reduce(v, group=t.ps.dp_group)
     n = max(float(v[2]), 1.0)
@@ -394,7 +394,8 @@ def evaluate(t: Trainer, step: int) -> float:
     solved: dict[int, bool] = {}
     for i, r in enumerate(rewards):
         solved[batch.prompt_index[i]] = solved.get(batch.prompt_index[i], False) or _scalar(r) >= 1.0
-    v = torch.tensor([float(sum(solved.values())), float(len(solved))], dtype=torch.float64)
+    v = torch.tensor([float(sum(solved.values())), float(len(solved))], dtype=torch.float64,
+                     device=t.ps.device)  # NCCL groups take device tensors only
     if t.ps.dp > 1:
         dist.all_reduce(v, group=t.ps.dp_group)
     return float(v[0] / max(float(v[1]), 1.0))
