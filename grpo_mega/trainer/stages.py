@@ -8,7 +8,7 @@ rewards become one ``TrainingBatch`` on the device in ``advantage``; everything
 after that works on slices of it.
 
 Memory between phases: the engine is awake from the weight sync through evaluation and
-the next step's rollouts; ``release_engine`` (vLLM sleep: weights and KV cache freed)
+the next step's rollouts; ``release_engine`` (vLLM sleep level 2: weights and KV cache freed)
 runs before the log-prob and update phases and ``resume_engine`` (wake_up) before the
 sync, so the update never shares the GPU with the engine's share
 (``rollout.sleep_between_rollouts``, the setting ``preflight.budget`` counts). The frozen
@@ -330,21 +330,24 @@ def reset_reference(t: Trainer) -> bool:
 # ---------------------------------------------------------------------------- sync
 
 def release_engine(t: Trainer) -> None:
-    """The training phase starts: the engine frees its weights and KV cache (vLLM sleep
-    level 1 on GPU when ``rollout.sleep_between_rollouts``; a recorded no-op on CPU)."""
+    """The training phase starts: the engine discards its weights and KV cache (vLLM sleep
+    level 2 on GPU when ``rollout.sleep_between_rollouts``; a recorded no-op on CPU)."""
     t.engine.release()
 
 
 def resume_engine(t: Trainer) -> None:
-    """The training phase is over: the engine takes its memory back before the sync."""
-    t.engine.resume()
+    """The training phase is over: torch's CUDA cache is emptied, then the engine maps its
+    weights' memory back (the KV cache waits until after the sync, see ``sync``)."""
+    t.engine.wake_weights()
 
 
 def sync(t: Trainer) -> float:
-    """Trainer weights -> engine in place (verified when configured); returns GB/s. The
-    engine stays awake after it, for evaluation and the next step's rollouts."""
-    t.engine.resume()  # a no-op after resume_engine
-    return t.bridge.sync().gbps
+    """Trainer weights -> engine in place (verified when configured), then the engine's KV
+    cache wakes; returns GB/s. The engine stays awake after it, for evaluation and the next
+    step's rollouts."""
+    gbps = t.bridge.sync().gbps
+    t.engine.wake_kv_cache()
+    return gbps
 
 
 # ----------------------------------------------------------------------------- log
