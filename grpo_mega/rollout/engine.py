@@ -104,6 +104,18 @@ def resolve_engine_mode(mode: str, consecutive_replicas: bool = True) -> str:
     return mode
 
 
+def child_visible_devices(visible: str | None, index: int) -> str:
+    """CUDA_VISIBLE_DEVICES for a child engine on this process's device ``index`` (an index
+    into ``visible``, the parent's CUDA_VISIBLE_DEVICES, or a physical id without it)."""
+    if not visible:
+        return str(index)
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if index >= len(ids):
+        raise ValueError(f"device {index} is not in CUDA_VISIBLE_DEVICES={visible!r}: set "
+                         "LOCAL_RANK / the visible devices so every rank has its own GPU")
+    return ids[index]
+
+
 def _request_seed(base: int | None, step: int, prompt_index: int, n: int) -> int | None:
     """Per-prompt seed from (base, step, index); vLLM adds 0..n-1 per sample."""
     if base is None:
@@ -242,6 +254,11 @@ class RolloutEngine(SleepPhases):
                # Read once at construction: 0 keeps the engine core in this
                # process, 1 puts it in a child process.
                "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.mode == "child" else "0"}
+        if not self.on_cpu and self.mode == "child":
+            # vLLM's uni executor in the child always takes cuda:0, and the child does not
+            # inherit this process's set_device(LOCAL_RANK): show it only this rank's GPU.
+            env["CUDA_VISIBLE_DEVICES"] = child_visible_devices(
+                os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.current_device())
         if self.on_cpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get(
                 "VLLM_CPU_KVCACHE_SPACE", str(max(1, int(self.config.kv_cache_space_gib))))

@@ -1,4 +1,4 @@
-"""The engine's GPU memory phases (rollout/sleep.py), driven on CPU through the GPU branch.
+"""The engine's GPU-only branches (rollout/sleep.py memory phases, the child engine's device), driven on CPU.
 
 vLLM has no sleep mode on CPU, so the branch a GPU job takes is run here against a
 recorder standing in for ``vllm.LLM`` (its ``sleep``/``wake_up`` signatures as pinned) and
@@ -74,3 +74,24 @@ def test_gpu_ready_resume_refuses_discarded_weights_that_no_sync_loaded(gpu_log)
     e.release()
     with pytest.raises(RuntimeError, match="discarded by release"):
         e.resume()
+
+
+def test_gpu_ready_child_engine_runs_on_this_ranks_gpu(monkeypatch):
+    """Guards against issue 27's defect 4: ``rollout.engine_mode=child`` spawned the engine
+    core without this rank's ``set_device(LOCAL_RANK)``, so vLLM's uni executor put every
+    node's engines on GPU 0. The child must see only this rank's GPU, through the parent's
+    own CUDA_VISIBLE_DEVICES when it has one."""
+    from grpo_mega.rollout.engine import RolloutEngine, child_visible_devices
+
+    assert child_visible_devices(None, 3) == "3"
+    assert child_visible_devices("4,5,6,7", 2) == "6"
+    assert child_visible_devices("GPU-a, GPU-b", 1) == "GPU-b"
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES"):
+        child_visible_devices("0,1", 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    e = RolloutEngine.__new__(RolloutEngine)
+    e.on_cpu, e.mode = False, "child"
+    assert e._engine_env()["CUDA_VISIBLE_DEVICES"] == "5"
+    e.mode = "external_launcher"  # vLLM takes LOCAL_RANK itself there
+    assert "CUDA_VISIBLE_DEVICES" not in e._engine_env()
