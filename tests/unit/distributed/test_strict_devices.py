@@ -55,6 +55,9 @@ def _strict_rules(rank, world):
     dist.all_reduce(acc)
     box = [host]
     dist.broadcast_object_list(box, src=0)  # objects are pickled: exempt
+    # The error being imitated: a group whose only backend serves cuda tensors (as NCCL).
+    cuda_only = dist.new_group([0, 1], backend="cuda:gloo")
+    out["real"] = rejects(lambda: dist.all_reduce(made_on_device, group=cuda_only))
     return out
 
 
@@ -66,6 +69,7 @@ def test_strict_devices_rejects_host_tensors_in_collectives_like_nccl():
     made on or moved to the job's device, foreign tensors and object collectives."""
     r0, r1 = run_ranks(2, _strict_rules, timeout=120)
     for r in (r0, r1):
+        assert "No backend type associated with device type cpu" in r["real"]  # torch's own
         assert "No backend type associated with device type cpu" in r["grpo_mega_host"]
         assert "dynamic_sampling.py" in r["grpo_mega_host"]
         assert r["grpo_mega_device"] == (True, 2)
