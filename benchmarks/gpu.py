@@ -1,4 +1,5 @@
-"""GPU benchmark suite: prints one table and writes it to benchmarks/results/<date>-<device>.md.
+"""GPU benchmark suite: prints one table and writes it, row by row as measured, to
+benchmarks/results/<date>-<device>-bench.md (a failing row records its error; the rest run).
 
 Sections (single GPU, TP=1, random-weight Llama-shaped models, no downloads):
   train    actor train step (forward, vocab-parallel GRPO-style log-prob loss, backward,
@@ -8,7 +9,8 @@ Sections (single GPU, TP=1, random-weight Llama-shaped models, no downloads):
   loss     log-prob + entropy (+ backward) on bf16 logits [tokens, vocab]: the naive
            full-vocab way vs grpo_mega.algorithms vs the fused Triton kernel; time and
            peak extra memory;
-  bridge   weight export through the bridge (HF names, fused QKV / gate-up split): GB/s.
+  bridge   weight export through the bridge (HF names, fused QKV / gate-up split), each
+           tensor copied into a preallocated one on the GPU as the engine's load does: GB/s.
 Not in this script: the sync into vLLM and rollout tokens/s through our engine wrapper vs
 vLLM alone (benchmarks/bench_weight_sync.py measures the sync on CPU); the results file
 says so.
@@ -19,8 +21,10 @@ says so.
                                                       # runs; prints, writes no results file
 
 MFU counts 6 x (matmul parameters) + 6 x layers x seq x (query width) FLOPs per token
-(causal attention, forward + backward) against the GPU's dense bf16 peak (FP8 rows: the
-FP8 peak). Numbers go into the results file only when measured on a CUDA GPU.
+(causal attention, forward + backward) against the GPU's dense bf16 peak. FP8 rows: against
+the peak of their mix (the layers' GEMMs at the FP8 peak, attention and the LM head at bf16;
+``mixed_peak``). The 3B rows run 1 sequence per micro-batch with full recompute (TRAIN_FIT).
+Numbers go into the results file only when measured on a CUDA GPU.
 """
 from __future__ import annotations
 
@@ -49,6 +53,10 @@ MODELS = {
     "smoke": dict(hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
                   ffn_hidden_size=128, vocab_size=512, tie_embeddings=True),
 }
+# Per-model train settings that fit one 80 GB GPU: 3B holds 18 B/param of weights, fp32
+# grads and Adam state (58 GB) before activations and the [tokens, 128k] logits, so it runs
+# one sequence per micro-batch with full recompute (4 x 2048 tokens OOMed).
+TRAIN_FIT = {"3b": dict(micro_batch=1, recompute="full")}
 # Dense peak TFLOP/s per GPU (bf16, fp8), from the vendors' data sheets; matched by name.
 PEAKS = [("H200", 989.0, 1979.0), ("H100 PCIe", 756.0, 1513.0), ("H100", 989.0, 1979.0),
          ("B200", 2250.0, 4500.0), ("A100", 312.0, None), ("L40S", 362.0, 733.0)]
@@ -68,6 +76,54 @@ def train_flops_per_token(m: dict, seq: int) -> float:
     q, kv = m["num_attention_heads"] * hd, m["num_query_groups"] * hd
     matmul = layers * (h * (q + 2 * kv) + q * h + 3 * h * f) + h * v
     return 6.0 * matmul + 6.0 * layers * seq * q
+
+
+def train_flops_split(m: dict, seq: int) -> tuple[float, float]:
+    """(FLOPs per token in the layers' linear GEMMs, the rest): with FP8 only the first
+    part runs in FP8; attention scores and the LM head stay bf16."""
+    h, layers, f, v = m["hidden_size"], m["num_layers"], m["ffn_hidden_size"], m["vocab_size"]
+    hd = h // m["num_attention_heads"]
+    q, kv = m["num_attention_heads"] * hd, m["num_query_groups"] * hd
+    linear = 6.0 * layers * (h * (q + 2 * kv) + q * h + 3 * h * f)
+    return linear, 6.0 * h * v + 6.0 * layers * seq * q
+
+
+def mixed_peak(m: dict, seq: int, bf16_peak: float, fp8_peak: float) -> float:
+    """The peak an FP8 row can reach: its FP8 GEMMs at the FP8 peak and the rest at the
+    bf16 peak (dividing everything by the FP8 peak understated MFU; by bf16, overstated)."""
+    fp8_part, bf16_part = train_flops_split(m, seq)
+    return (fp8_part + bf16_part) / (fp8_part / fp8_peak + bf16_part / bf16_peak)
+
+
+class Report:
+    """Rows as measured: each is printed and the results file rewritten at once, so a crash
+    (a TE or NCCL error, a hang killed by the smoke script's timeout) keeps every row
+    measured before it. ``measure`` records any exception in the row's note and goes on."""
+
+    def __init__(self, header: str, path: "Path | None"):
+        self.header, self.path, self.rows = header, path, []
+
+    def add(self, row: dict) -> None:
+        self.rows.append(row)
+        print("[gpu-bench] " + " ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(self.text())
+
+    def measure(self, row: dict, fn) -> None:
+        try:
+            row = dict(row, **fn())
+        except torch.cuda.OutOfMemoryError as e:
+            row = dict(row, note=f"OOM: {str(e).splitlines()[0][:120]}")
+        except Exception as e:  # noqa: BLE001 - any failure is a result; the next row runs
+            msg = str(e).splitlines()[0][:160] if str(e) else ""
+            row = dict(row, note=f"error: {type(e).__name__}: {msg}")
+        finally:
+            _release()
+        self.add(row)
+
+    def text(self) -> str:
+        return f"{self.header}{table(self.rows)}\n"
 
 
 class Timer:
@@ -151,18 +207,23 @@ def bench_train(args, ps, timer, rows):
         variants = [("bf16" if timer.cuda else "fp32", "none", "delayed")]
         if timer.cuda:
             variants += [(f"fp8 {r}", "hybrid", r) for r in FP8_RECIPES]
+        fit = TRAIN_FIT.get(model_name, {})
+        mbs = fit.get("micro_batch", args.micro_batch)
         for label, fp8, recipe in variants:
-            row = dict(section="train", case=f"{model_name} {label}", mbs=args.micro_batch, seq=args.seq)
+            row = dict(section="train", case=f"{model_name} {label}"
+                       + (f", recompute {fit['recompute']}" if "recompute" in fit else ""), mbs=mbs, seq=args.seq)
             problem = check_fp8_here(fp8, recipe)
             if problem:
-                rows.append(dict(row, note=f"not run: {problem}"))
+                rows.add(dict(row, note=f"not run: {problem}"))
                 continue
-            m = _model_cfg(model_name, dtype, fp8, recipe)
-            model = opt = None
-            try:
+
+            def run(model_name=model_name, fp8=fp8, recipe=recipe):
+                m = _model_cfg(model_name, dtype, fp8, recipe)
+                if "recompute" in fit:
+                    m.recompute = fit["recompute"]
                 model = build_model(m, ps)
                 opt = ParallelAdamW(model, OptimizerConfig(lr=1e-6, clip_grad=1.0), ps)
-                micro = [_random_batch(m.vocab_size, args.micro_batch, args.seq, ps.device)]
+                micro = [_random_batch(m.vocab_size, mbs, args.seq, ps.device)]
                 loss_fn = _logprob_loss(ps, m.vocab_size, fused)
 
                 def step():
@@ -171,18 +232,18 @@ def bench_train(args, ps, timer, rows):
                     opt.step()
 
                 sec = timer.median(step, args.repeats, warmup=2)
-                ntok = args.micro_batch * args.seq
-                flops = train_flops_per_token(MODELS[model_name], args.seq) * ntok
-                peak = peak_tflops(name_dev, fp8 != "none")
-                rows.append(dict(row, seconds=sec, tokens_per_s=ntok / sec,
-                                 tflops=flops / sec / 1e12,
-                                 mfu=(flops / sec / 1e12 / peak) if peak else None,
-                                 note=f"fused loss {'on' if fused else 'off'}"))
-            except torch.cuda.OutOfMemoryError as e:  # report, keep going
-                rows.append(dict(row, note=f"OOM: {str(e).splitlines()[0][:80]}"))
-            finally:
-                model = opt = None
-                _release()
+                ntok = mbs * args.seq
+                shape = MODELS[model_name]
+                flops = train_flops_per_token(shape, args.seq) * ntok
+                bf16_peak, fp8_peak = peak_tflops(name_dev, False), peak_tflops(name_dev, True)
+                peak, basis = bf16_peak, "bf16 peak"
+                if fp8 != "none" and bf16_peak and fp8_peak:
+                    peak, basis = mixed_peak(shape, args.seq, bf16_peak, fp8_peak), "FP8 GEMMs + bf16 rest peak"
+                return dict(seconds=sec, tokens_per_s=ntok / sec, tflops=flops / sec / 1e12,
+                            mfu=(flops / sec / 1e12 / peak) if peak else None,
+                            note=f"fused loss {'on' if fused else 'off'}; MFU vs {basis}")
+
+            rows.measure(row, run)
 
 
 def bench_ref(args, ps, timer, rows):
@@ -191,19 +252,20 @@ def bench_ref(args, ps, timer, rows):
     from grpo_mega.models import build_model
 
     dtype = "bfloat16" if timer.cuda else "float32"
-    m = _model_cfg(args.models[0], dtype)
-    ref = build_model(m, ps, frozen=True)
-    batch = _random_batch(m.vocab_size, args.micro_batch, args.seq, ps.device)
-    batch.ref_logp = batch.empty_logp()
-    micro = [batch]
-    fused = use_fused("auto", ps.device)
-    sec = timer.median(lambda: compute_logprobs(ref, micro, ps, vocab_size=m.vocab_size,
-                                                temperature=1.0, key="ref_logp", fused=fused),
-                       args.repeats)
-    rows.append(dict(section="ref", case=f"{args.models[0]} {dtype} forward", mbs=args.micro_batch,
-                     seq=args.seq, seconds=sec, tokens_per_s=args.micro_batch * args.seq / sec))
-    del ref
-    _release()
+
+    def run():
+        m = _model_cfg(args.models[0], dtype)
+        ref = build_model(m, ps, frozen=True)
+        batch = _random_batch(m.vocab_size, args.micro_batch, args.seq, ps.device)
+        batch.ref_logp = batch.empty_logp()
+        fused = use_fused("auto", ps.device)
+        sec = timer.median(lambda: compute_logprobs(ref, [batch], ps, vocab_size=m.vocab_size,
+                                                    temperature=1.0, key="ref_logp", fused=fused),
+                           args.repeats)
+        return dict(seconds=sec, tokens_per_s=args.micro_batch * args.seq / sec)
+
+    rows.measure(dict(section="ref", case=f"{args.models[0]} {dtype} forward", mbs=args.micro_batch,
+                      seq=args.seq), run)
 
 
 def bench_loss(args, ps, timer, rows):
@@ -236,19 +298,20 @@ def bench_loss(args, ps, timer, rows):
     ways = [("naive full-vocab", naive), ("grpo_mega.algorithms", unfused)]
     if use_fused("auto", ps.device):
         ways.append(("fused Triton", fused))
-    base = None
+    base = []
     for label, fn in ways:
-        def run():
-            logits.grad = None
-            fn()
-        sec = timer.median(run, args.repeats)
-        mib = timer.peak_extra_mib(run)
-        base = base or (sec, mib)
-        rows.append(dict(section="loss", case=f"{label} [{n} x {v}] {str(dt)[6:]}", seconds=sec,
-                         peak_mib=mib, note=f"{base[0] / sec:.2f}x speed, "
-                         + (f"{mib / base[1]:.2f}x memory of naive" if mib and base[1] else "memory n/a")))
+        def measure(fn=fn):
+            def run():
+                logits.grad = None
+                fn()
+            sec = timer.median(run, args.repeats)
+            mib = timer.peak_extra_mib(run)
+            base.append((sec, mib)) if not base else None
+            return dict(seconds=sec, peak_mib=mib, note=f"{base[0][0] / sec:.2f}x speed, "
+                        + (f"{mib / base[0][1]:.2f}x memory of naive" if mib and base[0][1] else "memory n/a"))
+        rows.measure(dict(section="loss", case=f"{label} [{n} x {v}] {str(dt)[6:]}"), measure)
     if not use_fused("auto", ps.device):
-        rows.append(dict(section="loss", case="fused Triton", note="not run: needs CUDA and Triton"))
+        rows.add(dict(section="loss", case="fused Triton", note="not run: needs CUDA and Triton"))
     del logits
     _release()
 
@@ -258,24 +321,34 @@ def bench_bridge(args, ps, timer, rows):
     from grpo_mega.models import build_model
 
     dtype = "bfloat16" if timer.cuda else "float32"
-    m = _model_cfg(args.models[0], dtype)
-    model = build_model(m, ps)
 
-    def export():
-        total = 0
-        for bucket in export_buckets(model, m, ps, bucket_bytes=args.bucket_mb * 2**20):
-            total += sum(t.numel() * t.element_size() for _, t in bucket)
-        timer.sync()
-        return total
+    def run():
+        m = _model_cfg(args.models[0], dtype)
+        model = build_model(m, ps)
+        # At TP=1 the export yields views of the parameters (no bytes move), so timing it
+        # alone measured nothing: every tensor is copied into a preallocated tensor on the
+        # device, as the engine's in-place load does.
+        dst: dict = {}
 
-    nbytes = export()
-    sec = timer.median(export, args.repeats)
-    rows.append(dict(section="bridge", case=f"{args.models[0]} {dtype} export, {args.bucket_mb} MiB buckets",
-                     seconds=sec, gbps=nbytes / sec / 1e9, note=f"{nbytes / 1e9:.2f} GB"))
-    rows.append(dict(section="bridge", case="sync into vLLM / rollout tokens/s",
-                     note="not measured by this script (see benchmarks/bench_weight_sync.py on CPU)"))
-    del model
-    _release()
+        def export():
+            total = 0
+            for bucket in export_buckets(model, m, ps, bucket_bytes=args.bucket_mb * 2**20):
+                for name, t in bucket:
+                    if name not in dst:
+                        dst[name] = torch.empty_like(t, memory_format=torch.contiguous_format)
+                    dst[name].copy_(t)
+                    total += t.numel() * t.element_size()
+            timer.sync()
+            return total
+
+        nbytes = export()
+        sec = timer.median(export, args.repeats)
+        return dict(seconds=sec, gbps=nbytes / sec / 1e9, note=f"{nbytes / 1e9:.2f} GB exported and copied")
+
+    rows.measure(dict(section="bridge", case=f"{args.models[0]} {dtype} export + copy, {args.bucket_mb} MiB buckets"),
+                 run)
+    rows.add(dict(section="bridge", case="sync into vLLM / rollout tokens/s",
+                  note="not measured by this script (tools/gpu_smoke.sh syncs into a vLLM GPU engine)"))
 
 
 COLUMNS = [("section", "{}"), ("case", "{}"), ("mbs", "{}"), ("seq", "{}"), ("seconds", "{:.4f}"),
@@ -337,24 +410,25 @@ def main(argv=None) -> int:
     from grpo_mega.distributed.state import destroy_parallel, init_parallel
     ps = init_parallel(1, 1)
     timer = Timer(ps.device)
-    rows = []
-    for sec in args.sections.split(","):
-        print(f"[gpu-bench] {sec} ...", flush=True)
-        SECTIONS[sec](args, ps, timer, rows)
-    destroy_parallel()
-
     device = torch.cuda.get_device_name() if timer.cuda else "CPU smoke (not a GPU figure)"
     command = "python benchmarks/gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
     ver = ", ".join(f"{k} {v}" for k, v in versions().items())
-    report = (f"# GPU benchmark, {datetime.date.today()} on {device}\n\n"
-              f"Command: `{command.strip()}`\n\nVersions: {ver}\n\n{table(rows)}\n")
-    print(report)
+    header = (f"# GPU benchmark, {datetime.date.today()} on {device}\n\n"
+              f"Command: `{command.strip()}`\n\nVersions: {ver}\n\n")
+    path = None
     if timer.cuda:
-        out = Path(args.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
         slug = "".join(ch if ch.isalnum() else "-" for ch in device).strip("-")
-        path = out / f"{datetime.date.today()}-{slug}.md"
-        path.write_text(report)
+        path = Path(args.out_dir) / f"{datetime.date.today()}-{slug}-bench.md"
+    rows = Report(header, path)
+    for sec in args.sections.split(","):
+        print(f"[gpu-bench] {sec} ...", flush=True)
+        try:
+            SECTIONS[sec](args, ps, timer, rows)
+        except Exception as e:  # noqa: BLE001 - a section's set-up failed; the others run
+            rows.add(dict(section=sec, case="(set-up)", note=f"error: {type(e).__name__}: {e}"[:200]))
+    destroy_parallel()
+    print(rows.text())
+    if path is not None:
         print(f"[gpu-bench] wrote {path}")
     return 0
 

@@ -87,6 +87,10 @@ class ModelConfig:
     """Pad the vocabulary to a multiple of this times ``parallel.tp`` (megatron convention)."""
     dtype: str = "float32"
     """Parameter dtype: ``float32`` or ``bfloat16``."""
+    transformer_impl: str = "auto"
+    """Layer implementation on GPU: ``auto`` (Transformer Engine when it imports; a broken TE
+    install is an error, a missing one a loud warning), ``transformer_engine`` (required) or
+    ``local`` (megatron's unfused layers, as on CPU; attention keeps [b, heads, s, s] scores)."""
     fp8: str = "none"
     """FP8 training through Transformer Engine: ``none``, ``hybrid`` (E4M3 forward, E5M2
     gradients) or ``e4m3``. Needs TE and a GPU of compute capability >= 8.9; weights and

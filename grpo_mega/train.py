@@ -76,7 +76,7 @@ def grpo_step(t: Trainer, step: int) -> dict:
 
 def _agreed_elapsed(t: Trainer) -> float:
     """Wall time since start as rank 0 sees it, so every rank stops at the same step."""
-    v = torch.tensor([time.time() - t.started], dtype=torch.float64)
+    v = torch.tensor([time.time() - t.started], dtype=torch.float64, device=t.ps.device)
     if t.ps.world_size > 1:
         dist.broadcast(v, src=0)
     return float(v)

@@ -33,7 +33,7 @@
 #   ENTRY           module to run with `python -m`, or a path ending in .py [grpo_mega.train]
 #   CONFIG          YAML config passed as --config (none: defaults + overrides) []
 #   NNODES          nodes in the job [1]
-#   NPROC_PER_NODE  ranks per node [GPUs from nvidia-smi, else 1]
+#   NPROC_PER_NODE  ranks per node [GPUs in CUDA_VISIBLE_DEVICES, else from nvidia-smi, else 1]
 #   NODE_RANK       this node's index, 0..NNODES-1; node 0 hosts the rendezvous store [0]
 #   MASTER_ADDR     address of node 0; REQUIRED when NNODES > 1 [127.0.0.1 on one node]
 #   MASTER_PORT     rendezvous port on MASTER_ADDR [29500 multi-node; a free port on one node]
@@ -102,7 +102,11 @@ PYTHON=${PYTHON:-python}
 NNODES=${NNODES:-1}
 if [[ -z ${NPROC_PER_NODE:-} ]]; then
     NPROC_PER_NODE=1
-    if command -v nvidia-smi >/dev/null 2>&1; then
+    if [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
+        # The GPUs this job may use, not every GPU of the node (nvidia-smi ignores the mask).
+        IFS=, read -r -a visible <<< "$CUDA_VISIBLE_DEVICES"
+        [[ ${#visible[@]} -gt 0 && ${visible[0]} != -1 ]] && NPROC_PER_NODE=${#visible[@]}
+    elif command -v nvidia-smi >/dev/null 2>&1; then
         gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
         [[ ${gpus:-0} -gt 0 ]] && NPROC_PER_NODE=$gpus
     fi

@@ -27,6 +27,9 @@ def _worker(rank, world_size, port, fn, args, queue, backend="gloo"):
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
     )
+    # --- strict devices: NCCL's device rule on these gloo ranks (grpo_mega.distributed.strict_devices)
+    os.environ.setdefault("GRPO_MEGA_STRICT_DEVICES", "1")
+    # --- end strict devices
     import torch
     import torch.distributed as dist
 
@@ -37,6 +40,10 @@ def _worker(rank, world_size, port, fn, args, queue, backend="gloo"):
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=300))
+        # --- strict devices (also for ranks that never call init_parallel)
+        from grpo_mega.distributed import strict_devices
+        strict_devices.enable_from_env()
+        # --- end strict devices
         out = fn(rank, world_size, *args)
         queue.put((rank, True, out))
     except BaseException:  # noqa: BLE001 - reported to the parent verbatim

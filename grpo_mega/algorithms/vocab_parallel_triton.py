@@ -73,7 +73,7 @@ if triton is not None:
     @triton.jit
     def _stats_kernel(Z, TGT, STATS, rows_per_b, stride_b, stride_t, n_cols, vocab_start,
                       vocab_size, inv_temp, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # offsets of >= 2^31 logits overflow int32
         base = Z + (row // rows_per_b) * stride_b + (row % rows_per_b) * stride_t
         # A finite start keeps exp(m - m_new) defined when a block is all padding.
         m = tl.full((), -1e30, tl.float32)
@@ -102,7 +102,7 @@ if triton is not None:
     @triton.jit
     def _grad_kernel(Z, TGT, ROWSTATS, GLP, GENT, G, rows_per_b, stride_b, stride_t, n_cols,
                      vocab_start, vocab_size, inv_temp, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # offsets of >= 2^31 logits overflow int32
         base = Z + (row // rows_per_b) * stride_b + (row % rows_per_b) * stride_t
         shift = tl.load(ROWSTATS + row * 2 + 0)  # M + log S: log p = z/T - shift
         ent = tl.load(ROWSTATS + row * 2 + 1)

@@ -171,6 +171,12 @@ def _ensure_world() -> None:
     cpu_compat.apply()  # no-op when CUDA is present
     if dist.is_initialized():
         return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Under torchrun: join its world (gloo: the conversion's tensors are on the host),
+        # so the ranks share the work and one of them publishes --out. A 1-rank world in
+        # every process made each one convert everything and race on the rename.
+        dist.init_process_group("gloo", init_method="env://")
+        return
     # A file rendezvous: a free TCP port picked here can be taken by another process
     # before gloo binds it (EADDRINUSE on a busy machine).
     fd, path = tempfile.mkstemp(prefix="grpo_mega_world_")

@@ -120,6 +120,34 @@ def resume_checkpoint(root: str | os.PathLike, mode: str) -> Optional[Path]:
     return found
 
 
+def rng_state() -> dict:
+    """This rank's RNG streams: the CPU generator, every CUDA device's generator, and
+    megatron's named model-parallel streams (its tracker; CPU-forked ones on CPU). Dropout
+    and sampling on GPU draw from the CUDA ones, so saving the CPU one alone did not
+    resume a GPU run's randomness."""
+    from megatron.core import tensor_parallel
+
+    out = {"rng_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["rng_cuda"] = list(torch.cuda.get_rng_state_all())
+    states = tensor_parallel.get_cuda_rng_tracker().get_states()
+    # Graph-safe trackers hold torch.Generator objects: only plain state tensors are saved.
+    out["rng_tracker"] = {k: v for k, v in states.items() if isinstance(v, torch.Tensor)}
+    return out
+
+
+def restore_rng(extra: dict) -> None:
+    """Put back what ``rng_state`` saved (older checkpoints hold the CPU state only)."""
+    from megatron.core import tensor_parallel
+
+    torch.set_rng_state(extra["rng_cpu"])
+    if extra.get("rng_cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(extra["rng_cuda"])
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    if extra.get("rng_tracker"):
+        tracker.set_states({**tracker.get_states(), **extra["rng_tracker"]})
+
+
 def _rank_state(path: Path, rank: int, allow_unsafe: bool) -> tuple[dict, dict]:
     """(this rank's saved extras or {}, any rank's); every rank saves the same Adam step,
     so a resume at a larger world reads it from rank 0's file."""
@@ -160,8 +188,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: Pa
             sharded["reference"] = _reference_sharded(reference, ps)
         dist_checkpointing.save(sharded, str(tmp))
         fault_point("checkpoint.save")  # shards written, rank files and metadata not yet
-    torch.save({"rng_cpu": torch.get_rng_state(), "layout": (ps.tp, ps.pp, ps.dp),
-                "adam_step": optimizer.adam_step},
+    torch.save({**rng_state(), "layout": (ps.tp, ps.pp, ps.dp), "adam_step": optimizer.adam_step},
                tmp / f"rank_{ps.rank:05d}.pt")
     _barrier()
     if ps.rank == 0:
@@ -263,4 +290,4 @@ def _load_into(path: Path, model, optimizer, ps: ParallelState, reference, meta:
                 optimizer.state_tensors(p)[moment].copy_(tensor)
         optimizer.adam_step = float(any_rank.get("adam_step", 0.0))
         if extra and tuple(extra["layout"]) == (ps.tp, ps.pp, ps.dp):
-            torch.set_rng_state(extra["rng_cpu"])
+            restore_rng(extra)

@@ -88,8 +88,10 @@ def init_parallel(tp: int = 1, pp: int = 1, *, ep: int = 1, seed: int = 1234,
     cuda = torch.cuda.is_available()
     if not cuda:
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
-        from grpo_mega.distributed import cpu_compat
+        from grpo_mega.distributed import cpu_compat, strict_devices
         cpu_compat.apply()
+        # The multi-rank tests hold the CPU job to NCCL's rule: no host tensor in a collective.
+        strict_devices.enable_from_env()
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from grpo_mega.config import ModelConfig
 from grpo_mega.distributed.state import ParallelState
 from grpo_mega.distributed.schedule import causal_mask
-from grpo_mega.models.precision import fp8_enabled, fp8_transformer_fields, te_available
+from grpo_mega.models.precision import choose_te, fp8_enabled, fp8_transformer_fields
 from grpo_mega.models.rope import finish_rotary, gpt_model_rope_kwargs, set_yarn_fields
 
 log = logging.getLogger(__name__)
@@ -193,11 +193,11 @@ def build_model(m: ModelConfig, ps: ParallelState, *, frozen: bool = False,
                 use_te: Optional[bool] = None):
     """This rank's stage of a GPTModel. ``frozen`` makes a reference model: eval mode,
     no gradients, never handed to an optimizer, FP8 only with ``model.reference_fp8``.
-    ``use_te`` None picks the TE spec when a GPU and TE are present."""
+    ``use_te`` None follows ``model.transformer_impl`` (``precision.choose_te``)."""
     from megatron.core.models.gpt import GPTModel
 
     if use_te is None:
-        use_te = ps.device.type == "cuda" and te_available()
+        use_te = choose_te(ps.device.type, m.transformer_impl)
     cfg = transformer_config(m, ps, use_te=use_te, fp8=fp8_enabled(m, frozen=frozen), train=not frozen)
     model = GPTModel(
         config=cfg, transformer_layer_spec=layer_spec(m, use_te),

@@ -25,6 +25,7 @@ on CPU with the hardware facts passed in.
 """
 from __future__ import annotations
 
+import logging
 import math
 
 from typing import Optional, Tuple
@@ -34,14 +35,55 @@ FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
 # recipe -> (minimum compute capability, minimum TE version)
 
-def te_available() -> bool:
-    """True when Transformer Engine's torch module imports. Any exception means absent:
-    the CPU meta package raises RuntimeError rather than ImportError."""
+def te_import_error() -> Optional[str]:
+    """None when Transformer Engine's torch module imports, else why not ("not installed",
+    or the exception of a broken install: the CPU meta package raises RuntimeError)."""
     try:
         import transformer_engine.pytorch  # noqa: F401
-        return True
-    except Exception:  # noqa: BLE001
+        return None
+    except ModuleNotFoundError as e:
+        if e.name in ("transformer_engine", "transformer_engine.pytorch"):
+            return "not installed"
+        return f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
+def te_available() -> bool:
+    """True when Transformer Engine's torch module imports (any exception means absent)."""
+    return te_import_error() is None
+
+
+TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
+
+
+def choose_te(device_type: str, impl: str = "auto") -> bool:
+    """Whether to build the TE layer spec for ``model.transformer_impl=impl`` on a
+    ``device_type`` job. Never a silent fallback on GPU: a TE that is required or installed
+    but fails to import is an error; a missing one under ``auto`` a loud warning (unfused
+    attention with [b, heads, s, s] scores, slower and larger than the budget counts)."""
+    if impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"model.transformer_impl={impl!r} is not one of {TRANSFORMER_IMPLS} "
+                         "(--model.transformer_impl)")
+    if impl == "local":
         return False
+    if device_type != "cuda":
+        if impl == "transformer_engine":
+            raise RuntimeError("model.transformer_impl=transformer_engine needs a CUDA GPU; "
+                               "use --model.transformer_impl=auto or local on CPU")
+        return False
+    why = te_import_error()
+    if why is None:
+        return True
+    if impl == "transformer_engine" or why != "not installed":
+        raise RuntimeError(f"Transformer Engine does not import ({why}); fix the install (pip "
+                           "install -e '.[gpu]') or build megatron's local layers on purpose with "
+                           "--model.transformer_impl=local")
+    logging.getLogger("grpo_mega.models").warning(
+        "Transformer Engine is not installed: building megatron's LOCAL layers on a GPU (unfused "
+        "attention with [b, heads, s, s] scores, no FP8). Install TE (pip install -e '.[gpu]') or "
+        "pass --model.transformer_impl=local to silence this.")
+    return False
 
 _RECIPE_NEEDS = {
     "delayed": ((8, 9), (1, 0)),
@@ -155,8 +197,20 @@ def fp8_transformer_fields(m, *, enabled: bool) -> dict:
     return fields
 
 
+def fp8_align_size(recipe: str) -> int:
+    """Token alignment of TE's FP8 GEMMs for ``recipe``: megatron's ``get_fp8_align_size``
+    where it exists (mxfp8 needs 32, its 32-element scaling blocks), else the same rule."""
+    try:
+        from megatron.core.enums import Fp8Recipe
+        from megatron.core.fp8_utils import get_fp8_align_size
+        return int(get_fp8_align_size(Fp8Recipe(recipe)))
+    except (ImportError, AttributeError, ValueError):
+        return 2 * FP8_SEQ_MULTIPLE if recipe == "mxfp8" else FP8_SEQ_MULTIPLE
+
+
 def seq_multiple(m, tp: int = 1) -> int:
-    """Pad micro-batch sequence lengths to this multiple: 16 for FP8 GEMMs, a multiple of tp
-    with sequence parallelism (the sequence is split over the TP ranks), else 1."""
-    base = FP8_SEQ_MULTIPLE if m.fp8 != "none" else 1
+    """Pad micro-batch sequence lengths to this multiple: FP8 GEMMs' alignment (16; 32 for
+    mxfp8), a multiple of tp with sequence parallelism (the sequence is split over the TP
+    ranks), else 1."""
+    base = fp8_align_size(m.fp8_recipe) if m.fp8 != "none" else 1
     return math.lcm(base, tp) if m.sequence_parallel and tp > 1 else base

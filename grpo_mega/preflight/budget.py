@@ -44,10 +44,11 @@ The budget is an estimate for the worst pipeline stage of one GPU, in GiB:
   rest of the world, as the trainer places them; an MoE model's experts over engine TP x
   the replicas in ``external_launcher`` mode, where vLLM's MoE TP spans its DP), a fixed
   2 GiB for its activations and sampler, and the rest is KV cache.
-* the peak is the larger of the rollout phase (trainer weights, grads, optimizer and
-  reference stay resident next to the engine's share) and the training phase (trainer
-  plus activations; the engine sleeps when ``rollout.sleep_between_rollouts``), plus a
-  3 GiB reserve for the CUDA context, NCCL buffers and allocator fragmentation.
+* the peak is the largest of the rollout phase (trainer weights, grads, optimizer and
+  reference stay resident next to the engine's share), the training phase (trainer
+  plus activations; the engine sleeps when ``rollout.sleep_between_rollouts``) and the
+  wake-up (what torch still holds after emptying its cache, plus the engine's weights;
+  the KV cache wakes after the sync), plus a 3 GiB reserve for the CUDA context, NCCL buffers and allocator fragmentation.
 """
 from __future__ import annotations
 
@@ -88,6 +89,9 @@ class Budget:
     engine: list[Row] = field(default_factory=list)
     rollout_phase_gib: float = 0.0
     training_phase_gib: float = 0.0
+    wake_up_gib: float = 0.0
+    """The engine's weights waking after the update: what torch still holds once its cache
+    is emptied (trainer weights, grads, optimizer, reference) + engine weights + reserve."""
     peak_gib: float = 0.0
     kv_tokens: int = 0
     kv_seqs: int = 0
@@ -253,7 +257,10 @@ def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = 80.0) -> Budget:
     asleep = 0.0 if r.sleep_between_rollouts else share
     b.rollout_phase_gib = resident + share + RUNTIME_RESERVE_GIB
     b.training_phase_gib = trainer_peak + asleep + RUNTIME_RESERVE_GIB
-    b.peak_gib = max(b.rollout_phase_gib, b.training_phase_gib)
+    # vLLM maps fresh memory at wake-up: torch's cache is emptied first (rollout/sleep.py),
+    # what torch still holds is counted, and the KV cache wakes only after the sync.
+    b.wake_up_gib = resident + (ew if r.sleep_between_rollouts else share) + RUNTIME_RESERVE_GIB
+    b.peak_gib = max(b.rollout_phase_gib, b.training_phase_gib, b.wake_up_gib)
     return b
 
 
@@ -305,6 +312,8 @@ def report(cfg: Config, layout: Layout, budget: Budget, source: str = "") -> str
         f"{RUNTIME_RESERVE_GIB:g} reserve",
         f"  training phase     {budget.training_phase_gib:8.2f}  trainer + activations + logits"
         f"{' (engine asleep)' if r.sleep_between_rollouts else ' + engine share'} + reserve",
+        f"  wake-up            {budget.wake_up_gib:8.2f}  trainer state still held (torch's cache "
+        f"emptied) + engine weights + reserve; KV cache after the sync",
         f"  peak {budget.peak_gib:.2f} GiB, headroom {budget.headroom_gib:.2f} GiB: "
         + ("fits" if budget.fits else "DOES NOT FIT"),
     ]

@@ -36,7 +36,7 @@ def registry_choices() -> dict:
     so a name the code cannot run (say ``kl_kind: k9``) fails here, at load time, and a
     newly registered variant is accepted with no edit here."""
     from grpo_mega import algorithms as A
-    from grpo_mega.models.precision import FP8_FORMATS, FP8_RECIPES
+    from grpo_mega.models.precision import FP8_FORMATS, FP8_RECIPES, TRANSFORMER_IMPLS
     from grpo_mega.models.rope import ROPE_SCALINGS
     from grpo_mega.models.routing import ROUTING_REPLAY_MODES
     from grpo_mega.optim.build import DISTRIBUTED_IMPLS
@@ -46,6 +46,7 @@ def registry_choices() -> dict:
         ("model", "rope_scaling"): ROPE_SCALINGS,
         ("model", "fp8"): tuple(FP8_FORMATS),
         ("model", "fp8_recipe"): tuple(FP8_RECIPES),
+        ("model", "transformer_impl"): TRANSFORMER_IMPLS,
         ("algorithm", "advantage"): A.ADVANTAGE_ESTIMATORS.names(),
         ("algorithm", "norm"): A.NORMS.names(),
         ("algorithm", "baseline"): A.BASELINES.names(),

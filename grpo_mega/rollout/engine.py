@@ -72,6 +72,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from grpo_mega.data import shard_for_replica
+from grpo_mega.rollout.sleep import SleepPhases
 from grpo_mega.rollout.types import EngineConfig, RolloutBatch, SamplingConfig, logprobs_mode_for
 from grpo_mega.rollout.worker import clear_dead_weight_files, write_weight_file
 
@@ -103,6 +104,18 @@ def resolve_engine_mode(mode: str, consecutive_replicas: bool = True) -> str:
     return mode
 
 
+def child_visible_devices(visible: str | None, index: int) -> str:
+    """CUDA_VISIBLE_DEVICES for a child engine on this process's device ``index`` (an index
+    into ``visible``, the parent's CUDA_VISIBLE_DEVICES, or a physical id without it)."""
+    if not visible:
+        return str(index)
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if index >= len(ids):
+        raise ValueError(f"device {index} is not in CUDA_VISIBLE_DEVICES={visible!r}: set "
+                         "LOCAL_RANK / the visible devices so every rank has its own GPU")
+    return ids[index]
+
+
 def _request_seed(base: int | None, step: int, prompt_index: int, n: int) -> int | None:
     """Per-prompt seed from (base, step, index); vLLM adds 0..n-1 per sample."""
     if base is None:
@@ -111,7 +124,7 @@ def _request_seed(base: int | None, step: int, prompt_index: int, n: int) -> int
     return int.from_bytes(digest[:4], "little") % (2**31 - n)  # seed + j stays an int32
 
 
-class RolloutEngine:
+class RolloutEngine(SleepPhases):
     """A vLLM engine for one data-parallel replica of the trainer; implements
     :class:`~grpo_mega.rollout.types.RolloutEngineProtocol`.
 
@@ -144,6 +157,8 @@ class RolloutEngine:
         self._transport: str | None = None
         self.releases = self.resumes = 0
         self.memory_released = False
+        self._asleep: set[str] = set()  # "weights", "kv_cache": what vLLM's sleep freed
+        self._weights_stale = False  # True from a level-2 release until the next load
         # The engine's last calls in order ("generate", "load", "release", "resume"): the
         # order of the step's memory phases is visible, and tested, on CPU too.
         self.calls: collections.deque[str] = collections.deque(maxlen=256)
@@ -241,6 +256,11 @@ class RolloutEngine:
                # Read once at construction: 0 keeps the engine core in this
                # process, 1 puts it in a child process.
                "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.mode == "child" else "0"}
+        if not self.on_cpu and self.mode == "child":
+            # vLLM's uni executor in the child always takes cuda:0, and the child does not
+            # inherit this process's set_device(LOCAL_RANK): show it only this rank's GPU.
+            env["CUDA_VISIBLE_DEVICES"] = child_visible_devices(
+                os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.current_device())
         if self.on_cpu:
             env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get(
                 "VLLM_CPU_KVCACHE_SPACE", str(max(1, int(self.config.kv_cache_space_gib))))
@@ -408,6 +428,9 @@ class RolloutEngine:
         self.calls.append("load")
         if not self.holds_engine:
             return 0.0
+        if "weights" in self._asleep:
+            raise RuntimeError("rollout: weights loaded into a sleeping engine; call wake_weights() first")
+        self._weights_stale = False
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         start = time.perf_counter()
         tensors = [(name, t.detach()) for name, t in items]
@@ -431,38 +454,6 @@ class RolloutEngine:
         if not self.holds_engine:
             return []
         return self.llm.collective_rpc("grpo_mega_probe", args=(list(specs),))
-
-    # -- memory between phases ---------------------------------------------
-    def release(self) -> None:
-        """Free accelerator memory for the training phase (vLLM sleep level 1,
-        colocate=True on GPU). Otherwise a recorded no-op: ``releases`` counts
-        the calls, ``memory_released`` stays False."""
-        self.releases += 1
-        self.calls.append("release")
-        if self._sleep_unsupported("release"):
-            return
-        self.llm.sleep(level=1)
-        self.memory_released = True
-
-    def resume(self) -> None:
-        """Take the memory back before rollouts (vLLM wake_up); see :meth:`release`."""
-        self.resumes += 1
-        self.calls.append("resume")
-        if self._sleep_unsupported("resume") or not self.memory_released:
-            return
-        self.llm.wake_up()
-        self.memory_released = False
-
-    def _sleep_unsupported(self, what: str) -> bool:
-        if not self.holds_engine:
-            return True
-        if self.on_cpu:
-            log.info("rollout: %s skipped: vLLM has no sleep mode on CPU", what)
-            return True
-        if not self.config.colocate:
-            log.info("rollout: %s skipped: engine built with colocate=False", what)
-            return True
-        return False
 
     def shutdown(self) -> None:
         """Drop the engine (its child process, in child mode).

@@ -64,10 +64,11 @@ def keep_groups(batch: Any, rewards: list[float], group_size: int, tol: float = 
 
 
 def need_more_groups(local_groups: int, target: int, rounds: int, max_rounds: int,
-                     dp_group: Optional[dist.ProcessGroup]) -> tuple[bool, int]:
+                     dp_group: Optional[dist.ProcessGroup], device: torch.device) -> tuple[bool, int]:
     """Whether to sample another round, and the groups kept over all replicas. The count is
-    summed over DP, so every replica takes the same decision (and the same rounds)."""
-    total = torch.tensor([local_groups], dtype=torch.int64)
+    summed over DP, so every replica takes the same decision (and the same rounds).
+    ``device``: the job's (``ps.device``); NCCL groups take no host tensors."""
+    total = torch.tensor([local_groups], dtype=torch.int64, device=device)
     if dp_group is not None and dist.get_world_size(dp_group) > 1:
         dist.all_reduce(total, group=dp_group)
     total_groups = int(total)

@@ -8,7 +8,7 @@ rewards become one ``TrainingBatch`` on the device in ``advantage``; everything
 after that works on slices of it.
 
 Memory between phases: the engine is awake from the weight sync through evaluation and
-the next step's rollouts; ``release_engine`` (vLLM sleep: weights and KV cache freed)
+the next step's rollouts; ``release_engine`` (vLLM sleep level 2: weights and KV cache freed)
 runs before the log-prob and update phases and ``resume_engine`` (wake_up) before the
 sync, so the update never shares the GPU with the engine's share
 (``rollout.sleep_between_rollouts``, the setting ``preflight.budget`` counts). The frozen
@@ -89,7 +89,7 @@ def refill(t: Trainer, step: int, batch: RolloutBatch, rewards: list, stats: dic
     n, target, cap = t.cfg.rollout.n, t.cfg.data.prompts_per_step, t.cfg.algorithm.dynamic_sampling_max_rounds
     dp_group = t.ps.dp_group if t.ps.dp > 1 else None
     kept, rounds, per_round = D.keep_groups(batch, rewards, n), 1, [dict(stats)]
-    more, total = D.need_more_groups(kept.num_groups, target, rounds, cap, dp_group)
+    more, total = D.need_more_groups(kept.num_groups, target, rounds, cap, dp_group, t.ps.device)
     while more:
         with stage("rollout", timings):
             prompts, batch = rollout(t, step, round=rounds)
@@ -98,7 +98,7 @@ def refill(t: Trainer, step: int, batch: RolloutBatch, rewards: list, stats: dic
         rounds += 1
         per_round.append(round_stats)
         kept.extend(D.keep_groups(batch, rewards, n))
-        more, total = D.need_more_groups(kept.num_groups, target, rounds, cap, dp_group)
+        more, total = D.need_more_groups(kept.num_groups, target, rounds, cap, dp_group, t.ps.device)
     mine = D.deal_groups(kept, target, t.ps.dp_rank, dp_group)
     used = mine.num_groups * t.ps.dp
     stats.update(_mean_over_rounds(per_round), dapo_rounds=float(rounds), groups_used=float(used),
@@ -177,7 +177,7 @@ def reward(t: Trainer, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list
     lens = torch.tensor(batch.response_lengths, dtype=torch.float64)
     truncated = sum(f == "length" for f in batch.finish_reasons)
     v = torch.tensor([r.sum(), (r * r).sum(), float(len(r)), (r >= 1.0).sum(), lens.sum(), truncated],
-                     dtype=torch.float64)
+                     dtype=torch.float64, device=t.ps.device)  # NCCL groups take device tensors only
     if t.ps.dp > 1:
         dist.all_reduce(v, group=t.ps.dp_group)
     n = max(float(v[2]), 1.0)
@@ -330,21 +330,24 @@ def reset_reference(t: Trainer) -> bool:
 # ---------------------------------------------------------------------------- sync
 
 def release_engine(t: Trainer) -> None:
-    """The training phase starts: the engine frees its weights and KV cache (vLLM sleep
-    level 1 on GPU when ``rollout.sleep_between_rollouts``; a recorded no-op on CPU)."""
+    """The training phase starts: the engine discards its weights and KV cache (vLLM sleep
+    level 2 on GPU when ``rollout.sleep_between_rollouts``; a recorded no-op on CPU)."""
     t.engine.release()
 
 
 def resume_engine(t: Trainer) -> None:
-    """The training phase is over: the engine takes its memory back before the sync."""
-    t.engine.resume()
+    """The training phase is over: torch's CUDA cache is emptied, then the engine maps its
+    weights' memory back (the KV cache waits until after the sync, see ``sync``)."""
+    t.engine.wake_weights()
 
 
 def sync(t: Trainer) -> float:
-    """Trainer weights -> engine in place (verified when configured); returns GB/s. The
-    engine stays awake after it, for evaluation and the next step's rollouts."""
-    t.engine.resume()  # a no-op after resume_engine
-    return t.bridge.sync().gbps
+    """Trainer weights -> engine in place (verified when configured), then the engine's KV
+    cache wakes; returns GB/s. The engine stays awake after it, for evaluation and the next
+    step's rollouts."""
+    gbps = t.bridge.sync().gbps
+    t.engine.wake_kv_cache()
+    return gbps
 
 
 # ----------------------------------------------------------------------------- log
@@ -394,7 +397,8 @@ def evaluate(t: Trainer, step: int) -> float:
     solved: dict[int, bool] = {}
     for i, r in enumerate(rewards):
         solved[batch.prompt_index[i]] = solved.get(batch.prompt_index[i], False) or _scalar(r) >= 1.0
-    v = torch.tensor([float(sum(solved.values())), float(len(solved))], dtype=torch.float64)
+    v = torch.tensor([float(sum(solved.values())), float(len(solved))], dtype=torch.float64,
+                     device=t.ps.device)  # NCCL groups take device tensors only
     if t.ps.dp > 1:
         dist.all_reduce(v, group=t.ps.dp_group)
     return float(v[0] / max(float(v[1]), 1.0))

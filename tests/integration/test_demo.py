@@ -22,7 +22,7 @@ def test_demo_entry_point_converts_and_trains(tmp_path):
     conversion through tools/convert_checkpoint.py, 2 GRPO steps at TP=2, the summary."""
     run_dir = tmp_path / "demo"
     # cwd is a scratch dir (the demo writes relative paths); import this checkout's code
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", GRPO_MEGA_STRICT_DEVICES="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-m", "grpo_mega.demo", "--fresh", "--algorithm.steps=2",
                         "--data.eval_every=0", "--checkpoint.save_every=0",
@@ -56,7 +56,7 @@ def test_demo_output_is_ours_until_the_first_step(tmp_path):
     set_num_threads eight times), its weight-loading bar and torch's C++ warnings once took
     about 150 lines before the first step. By default at most 10 lines before the first step
     may be someone else's; with --logging.verbose=true vLLM's own lines come back."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", GRPO_MEGA_STRICT_DEVICES="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     env.pop("VLLM_LOGGING_LEVEL", None)
     outs = {}
@@ -82,7 +82,7 @@ def test_moe_demo_entry_point_trains_with_expert_parallelism(tmp_path):
     GRPO steps at TP=1 x DP=2 with EP=2, and checks the run's megatron model is the MoE one
     (the engine-vs-trainer log-prob gap after a verified sync stays at float noise)."""
     run_dir = tmp_path / "demo_moe"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", GRPO_MEGA_STRICT_DEVICES="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-m", "grpo_mega.demo", "--moe", "--fresh", "--algorithm.steps=2",
                         "--data.eval_every=0", "--checkpoint.save_every=0",

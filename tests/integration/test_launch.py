@@ -372,6 +372,31 @@ def test_sbatch_dry_run_outside_slurm():
     assert "NODE_RANK=\\$SLURM_NODEID" in srun and "node%n.attempt0.out" in srun
 
 
+def test_gpu_ready_launchers_pass_cpus_per_task_and_count_visible_gpus(tmp_path):
+    """Guards against issue 27's defect 8 in the launchers: grpo.sbatch's srun without
+    --cpus-per-task (Slurm >= 22.05 no longer passes the job's on, so each node's agent and
+    its ranks run bound to one CPU), and torchrun.sh counting the node's GPUs with
+    ``nvidia-smi -L`` although CUDA_VISIBLE_DEVICES gives this job fewer (ranks on GPUs it
+    may not use). A stand-in nvidia-smi on PATH lists 8 GPUs."""
+    r = run_script([SBATCH, "--dry-run"], launch_env(SLURM_JOB_NUM_NODES="2", SLURM_CPUS_PER_TASK="96",
+                                                     CONFIG=CONFIGS["qwen2.5_32b"][0]))
+    assert r.returncode == 0, r.stderr
+    assert "--cpus-per-task=96" in r.stdout.strip().splitlines()[-1]
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\nfor i in 0 1 2 3 4 5 6 7; do echo \"GPU $i: H100 (UUID: x)\"; done\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    path = f"{fake}{os.pathsep}{os.environ['PATH']}"
+    for visible, nproc in ((None, 8), ("2,5", 2), ("7", 1)):
+        env = launch_env(PATH=path, ENTRY="grpo_mega.train")
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        r = run_script([TORCHRUN_SH, "--dry-run"], env)
+        assert r.returncode == 0, r.stderr
+        assert f"--nproc-per-node {nproc}" in r.stdout, (visible, r.stdout)
+
+
 # ------------------------------------------------------------- real torchrun launches
 
 @pytest.mark.slow

@@ -31,7 +31,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ASSETS = REPO / "grpo_mega" / "assets" / "demo_v1"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-           PYTHONWARNINGS="ignore", GRPO_TRACEBACK="0", PYTHON=sys.executable)
+           PYTHONWARNINGS="ignore", GRPO_TRACEBACK="0", PYTHON=sys.executable,
+           GRPO_MEGA_STRICT_DEVICES="1")  # NCCL's device rule (distributed/strict_devices.py)
 STEPS = 2
 GLOBAL_STATS = ("reward_mean", "reward_std", "accuracy", "response_len", "truncated_frac")
 # name: (overrides, (tp, pp, dp), engine replicas, ranks per engine replica)

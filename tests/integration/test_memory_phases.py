@@ -56,21 +56,24 @@ def _two_steps(rank, world, run_dir):
     return out
 
 
-def test_engine_sleeps_for_the_update_and_the_budget_counts_what_the_loop_builds(tmp_path):
+def test_gpu_ready_engine_sleeps_for_the_update_and_the_budget_counts_what_the_loop_builds(tmp_path):
     """Guards against (a) a step whose update runs with the engine awake, or whose sync
     loads weights into a sleeping engine (release after the update, resume after the
     sync, a release left out), or that wakes the engine twice per step (it must stay awake
-    from the sync through the next rollouts); (b) a memory budget describing another
+    from the sync through the next rollouts); the GPU sequence (issue 27 defect 3 and
+    deliver 6, ``gpu_ready``): torch's CUDA cache emptied before the weights wake, the
+    weights woken before the sync and the KV cache only after it; (b) a memory budget describing another
     program than the loop: engine TP taken from ``parallel.tp`` instead of ``rollout.tp``,
     an optimizer row that is not the optimizer's real per-rank state (sharded over DP),
     parameters counted differently from the model megatron builds, or an engine share
     counted in the training phase although the loop releases it."""
     r = run_ranks(2, _two_steps, str(tmp_path / "run"), timeout=900)[0]
-    # (a) per step (repeats folded: every generation and sync resumes first, a no-op when
-    # awake; a sync loads several buckets): resume, generate, release, [update], resume,
-    # load; nothing between the last load and the next step's generate.
+    # (a) per step (repeats folded: every generation resumes first, a no-op when awake; a
+    # sync loads several buckets): resume, generate, release (sleep level 2), [update], torch's
+    # cache emptied, wake the weights, load, wake the KV cache; nothing between the KV cache's
+    # wake-up and the next step's generate.
     calls = [c for i, c in enumerate(r["calls"]) if i == 0 or c != r["calls"][i - 1]]
-    step = ["resume", "generate", "release", "resume", "load"]
+    step = ["resume", "generate", "release", "empty_cache", "wake_weights", "load", "wake_kv_cache"]
     assert calls == step * 2, r["calls"]
     for names in r["stages"]:
         order = [n for n in names if n in ("rollout", "release", "logprobs", "update", "resume", "sync")]

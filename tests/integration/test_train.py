@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ASSETS = REPO / "grpo_mega" / "assets" / "demo_v1"
 CONFIG = REPO / "grpo_mega" / "configs" / "demo.yaml"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-           PYTHONWARNINGS="ignore", GRPO_TRACEBACK="0")
+           PYTHONWARNINGS="ignore", GRPO_TRACEBACK="0", GRPO_MEGA_STRICT_DEVICES="1")
 
 
 def _cmd(run_dir: Path, steps: int = 6) -> list[str]:

@@ -232,3 +232,27 @@ def test_fused_kernel_matches_algorithms_on_gpu():
         CASES[name] = (1, dtype, 4, 512, 32768, 32000, 0.7, None, 2e-5,
                        2e-6 if dtype == torch.float32 else 2 ** -7)
     _check(results)
+
+
+def test_gpu_ready_fused_kernels_compute_offsets_in_int64():
+    """Guards against issue 27's defect 6: the kernels' row offsets (``row * n_cols``,
+    ``row // rows_per_b * stride_b``) were int32, so a logits shard of 2^31 elements or more
+    (e.g. 16k tokens x 152k/1 vocab) addressed wrong memory on a GPU. The CPU interpreter
+    computes with Python ints and cannot show it, so the kernels' source is checked: every
+    ``tl.program_id`` is widened with ``.to(tl.int64)`` before any offset is formed."""
+    import ast
+
+    src = (REPO / "grpo_mega" / "algorithms" / "vocab_parallel_triton.py").read_text()
+    kernels = [f for f in ast.walk(ast.parse(src)) if isinstance(f, ast.FunctionDef)
+               and any("jit" in ast.unparse(d) for d in f.decorator_list)]
+    assert {k.name for k in kernels} >= {"_stats_kernel", "_grad_kernel"}
+    for k in kernels:
+        parents = {id(c): p for p in ast.walk(k) for c in ast.iter_child_nodes(p)}
+        ids = [n for n in ast.walk(k) if isinstance(n, ast.Call) and ast.unparse(n.func) == "tl.program_id"]
+        assert ids, k.name
+        for call in ids:
+            up = parents[id(call)]
+            widened = (isinstance(up, ast.Attribute) and up.attr == "to"
+                       and isinstance(parents[id(up)], ast.Call)
+                       and ast.unparse(parents[id(up)].args[0]) == "tl.int64")
+            assert widened, f"{k.name}: {ast.unparse(parents[id(call)])} stays int32"

@@ -127,6 +127,24 @@ def test_cli_round_trip_and_logit_check(llama_dir, tmp_path):
     assert "max |logits_hf - logits_mcore|" in r.stdout
 
 
+def test_gpu_ready_cli_under_torchrun_shares_one_world_and_one_output(llama_dir, tmp_path):
+    """Guards against issue 27's defect 8: under torchrun every process of
+    tools/convert_checkpoint.py started its own 1-rank world, converted everything and
+    raced the others on renaming --out (one failed "already exists", or files of two
+    writers mixed). Both directions under torchrun with 2 ranks: the ranks form one world
+    (rank 1 converts its share), and the round trip is bitwise."""
+    mc, back = tmp_path / "mcore", tmp_path / "back"
+    run = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "tools/convert_checkpoint.py"]
+    r = _run([*run, "hf-to-mcore", "--no-progress", "--hf-dir", str(llama_dir), "--out", str(mc)])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "[hf-to-mcore] rank 1 " in r.stdout and r.stdout.count("[hf-to-mcore] done") == 2, r.stdout
+    r = _run([*run, "mcore-to-hf", "--no-progress", "--in", str(mc), "--out", str(back)])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    a, b = read_hf_tensors(llama_dir), read_hf_tensors(back)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _leftovers(tmp_path, "mcore") == ["mcore"] and _leftovers(tmp_path, "back") == ["back"]
+
+
 # ------------------------------------------------------------------------------ bad input
 
 def _copy(src: Path, dst: Path) -> Path:

@@ -80,6 +80,9 @@ def test_checkpoint_resumes_bitwise_at_another_layout(tmp_path):
             assert data == [3, 4]
     assert (tmp_path / "tp2pp1" / "latest").read_text().strip() == "step_00000001"
     assert not list((tmp_path / "tp2pp1").glob("*.tmp"))
+    # issue 27 defect 10 (gpu_ready): every rank file carries the model-parallel RNG streams
+    rank_file = torch.load(next((tmp_path / "tp2pp1").glob("step_*/rank_00001.pt")), weights_only=True)
+    assert rank_file["rng_tracker"] and "rng_cpu" in rank_file
 
 
 def test_missing_or_corrupt_checkpoint_is_a_clear_error(tmp_path):
@@ -172,3 +175,40 @@ def test_ref_reset_reference_is_checkpointed_and_reshards(tmp_path):
             assert v["ref diff"] == 0.0 and v["model diff"] == 0.0, (key, v)
             assert v["initial-flag load left ref as built"], key
             assert v["ref differs from policy"], key
+
+
+def test_gpu_ready_checkpoint_saves_cuda_and_model_parallel_rng_streams(monkeypatch):
+    """Guards against issue 27's defect 10: the checkpoint saved the CPU generator only,
+    so a resumed GPU run drew dropout and other randomness from fresh CUDA generators and
+    fresh megatron model-parallel streams. The saved state must carry every CUDA device's
+    generator (the GPU branch, driven here through a stand-in for the two torch.cuda calls)
+    and the tracker's named streams, and restoring it must replay the same draws."""
+    from megatron.core import tensor_parallel
+
+    from grpo_mega.checkpoint.trainer_state import restore_rng, rng_state
+    from grpo_mega.distributed import cpu_compat
+
+    cpu_compat.apply()
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    saved_tracker = tracker.get_states()
+    tracker.reset()
+    tracker.add("model-parallel-rng", 4321)
+    cuda = {"state": [torch.tensor([1, 2], dtype=torch.uint8), torch.tensor([3], dtype=torch.uint8)]}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: list(cuda["state"]))
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", lambda s: cuda.update(state=list(s)))
+    try:
+        state = rng_state()
+        with tracker.fork():
+            first = torch.rand(4)
+        cuda["state"] = []
+        restore_rng(state)
+        with tracker.fork():
+            again = torch.rand(4)
+        torch.testing.assert_close(again, first, rtol=0, atol=0)
+        assert [t.tolist() for t in cuda["state"]] == [[1, 2], [3]]
+        assert set(state) >= {"rng_cpu", "rng_cuda", "rng_tracker"}
+    finally:
+        tracker.reset()
+        if saved_tracker:
+            tracker.set_states(saved_tracker)

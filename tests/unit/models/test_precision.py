@@ -200,3 +200,60 @@ def test_bf16_training_keeps_fp32_master_weights_and_main_grads():
     assert torch.allclose(opt.main[0].detach(), w32.detach(), atol=1e-7, rtol=0)
     assert torch.equal(w16.weight.detach(), w32.detach().to(torch.bfloat16))
     assert float(w16.weight[0, 0]) < 1.0  # ten steps of ~1e-3 moved the bf16 copy by an ulp
+
+
+def test_gpu_ready_mxfp8_pads_sequences_to_32_as_megatron_says():
+    """Guards against issue 27's defect 7: mxfp8 padded micro-batch sequences to 16 tokens,
+    while megatron's ``fp8_utils.get_fp8_align_size`` (mxfp8's 32-element scaling blocks)
+    says 32; the other recipes keep 16, and sequence parallelism's TP multiple joins in."""
+    from megatron.core.enums import Fp8Recipe
+    from megatron.core.fp8_utils import get_fp8_align_size
+
+    for recipe in ("delayed", "tensorwise", "blockwise", "mxfp8"):
+        m = load_config(None, ["--model.fp8=hybrid", f"--model.fp8_recipe={recipe}"]).model
+        assert seq_multiple(m) == get_fp8_align_size(Fp8Recipe(recipe)), recipe
+    m = load_config(None, ["--model.fp8=hybrid", "--model.fp8_recipe=mxfp8",
+                           "--model.sequence_parallel=true"]).model
+    assert seq_multiple(m) == 32 and seq_multiple(m, tp=3) == 96
+
+
+def _fake_te(root, body: str):
+    pkg = root / "transformer_engine"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "pytorch.py").write_text(body)
+
+
+def test_gpu_ready_transformer_engine_never_falls_back_silently(tmp_path, monkeypatch, caplog):
+    """Guards against issue 27's defect 5: a Transformer Engine that failed to import made a
+    GPU job build megatron's local layers without a word (unfused attention, [b, heads, s, s]
+    scores the budget does not count). On GPU: a broken TE install is an error naming the
+    cause and --model.transformer_impl; a required one too; a missing one under ``auto`` is
+    a loud warning naming the flag; ``local`` and CPU jobs build the local spec quietly."""
+    import sys
+
+    from grpo_mega.models.precision import choose_te, te_import_error
+
+    assert te_import_error() == "not installed"  # this CPU machine
+    with caplog.at_level("WARNING"):
+        assert choose_te("cuda", "auto") is False
+    assert "LOCAL layers" in caplog.text and "--model.transformer_impl=local" in caplog.text
+    with pytest.raises(RuntimeError, match="not installed.*--model.transformer_impl=local"):
+        choose_te("cuda", "transformer_engine")
+    caplog.clear()
+    assert choose_te("cuda", "local") is False and choose_te("cpu", "auto") is False
+    assert not caplog.text
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        choose_te("cpu", "transformer_engine")
+    # An installed but broken TE (the CPU meta package raises RuntimeError at import).
+    _fake_te(tmp_path, "raise RuntimeError('empty meta package')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(RuntimeError, match="empty meta package.*--model.transformer_impl=local"):
+            choose_te("cuda", "auto")
+        assert choose_te("cuda", "local") is False
+    finally:  # the fake package must not outlive the test in sys.modules
+        for k in [k for k in sys.modules if k.startswith("transformer_engine")]:
+            del sys.modules[k]
+    with pytest.raises(ConfigError, match="--model.transformer_impl"):
+        validate(load_config(None, ["--model.transformer_impl=te"]))

@@ -31,3 +31,21 @@ def test_budget_counts_recompute_and_sequence_parallel():
     sp = _activations("--model.sequence_parallel=true")
     assert abs(sp / per_elem - (4 * h / tp + split) * 20 * 4) < 1e-6 * sp / per_elem
     assert full < none / 5 and sp < none
+
+
+def test_gpu_ready_budget_wake_up_counts_what_torch_still_holds():
+    """Guards against issue 27's defect 3 in the budget: the engine's wake-up assumed free
+    memory that torch still held. The wake-up row is the trainer's resident state (weights,
+    grads, optimizer, reference; torch's cache emptied, so no activations or logits) plus
+    the engine's weights only (the KV cache wakes after the sync) plus the reserve, and it
+    counts in the peak."""
+    from grpo_mega.preflight.budget import RUNTIME_RESERVE_GIB, report
+
+    for config in ("llama3_70b", "qwen3_30b_a3b"):
+        cfg = load_config(str(REPO / "launch" / "configs" / f"{config}.yaml"), [])
+        layout = derive_layout(cfg, 64)
+        b = memory_budget(cfg, layout)
+        held = sum(b.row(n) for n in ("policy weights", "gradients", "optimizer", "reference weights"))
+        assert abs(b.wake_up_gib - (held + b.row("engine weights") + RUNTIME_RESERVE_GIB)) < 1e-9
+        assert b.peak_gib >= b.wake_up_gib
+        assert "wake-up" in report(cfg, layout, b)

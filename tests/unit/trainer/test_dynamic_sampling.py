@@ -57,15 +57,17 @@ def test_dynamic_sampling_reward_stats_cover_every_round():
 
 
 def _dp2_refill_and_deal(rank, world):
+    import torch
     import torch.distributed as dist
 
     from grpo_mega.trainer.dynamic_sampling import deal_groups, need_more_groups
 
     group = dist.new_group([0, 1])
+    cpu = torch.device("cpu")
     # Replica 0 kept three groups, replica 1 none: the decision must follow the sum.
     local = 3 if rank == 0 else 0
-    decisions = [need_more_groups(local, 4, 1, 4, group), need_more_groups(local, 3, 1, 4, group),
-                 need_more_groups(local, 4, 4, 4, group)]
+    decisions = [need_more_groups(local, 4, 1, 4, group, cpu), need_more_groups(local, 3, 1, 4, group, cpu),
+                 need_more_groups(local, 4, 4, 4, group, cpu)]
     kept = KeptGroups(group_size=2)
     for g in range(local):
         kept.extend(KeptGroups([[rank, g]] * 2, [[g, 0], [g, 1]], [[0.0], [0.0]], [0.0, 1.0], 2))
