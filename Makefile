@@ -11,7 +11,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.grpo-mega-installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: env demo test test-fast clean-env
+.PHONY: env demo test test-fast mutations clean-env
 
 env: $(STAMP)
 
@@ -37,6 +37,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests -m "not slow"
+
+# The catalogue of bugs the suite must catch (tests/mutations.yaml), each applied to a
+# scratch copy: slow, not part of `make test`. Subset: make mutations ARGS="--only ID,ID".
+mutations: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) tools/mutations.py $(ARGS)
 
 clean-env:
 	rm -rf $(VENV)
