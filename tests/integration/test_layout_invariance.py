@@ -304,7 +304,8 @@ def test_layout_invariance_one_recorded_step_gives_tp1_weights_and_metrics(repla
     for name, r in res.items():
         for k in ("loss", "kl", "entropy", "clipfrac_low", "clipfrac_high", "grad_norm", "rollout_logp_gap"):
             assert r["metrics"][k] == pytest.approx(m1[k], rel=1e-5, abs=1e-6), (name, k, r["metrics"][k], m1[k])
-        assert max_abs_diff_all(r["grads"], base["grads"]) <= 1e-5 * scale, name
+        # (PP=2's tied output-layer copy is compared through the embedding it equals)
+        assert max_abs_diff_all(r["grads"], base["grads"], keys=list(base["grads"])) <= 1e-5 * scale, name
         _check_weights(name, r["weights"], base["weights"], [(r["grads"], 1.0)], [(base["grads"], 1.0)], LR, EPS)
 
 
@@ -335,7 +336,7 @@ def test_layout_invariance_surrogate_active_qwen3_clipped_gives_tp1_update(repla
         assert len(r["steps"]) == 2, (name, len(r["steps"]))
         for i, ((g, c), (g1, c1)) in enumerate(zip(r["steps"], base["steps"])):
             scale = worst(float(abs(x).max()) for x in g1.values())
-            assert max_abs_diff_all(g, g1) <= 1e-5 * scale, (name, "step", i)
+            assert max_abs_diff_all(g, g1, keys=list(g1)) <= 1e-5 * scale, (name, "step", i)
             assert c == pytest.approx(c1, rel=1e-5), (name, "clip coefficient", i, c, c1)
         _check_weights(name, r["weights"], base["weights"], r["steps"], base["steps"], Q3_LR, Q3_EPS)
 
