@@ -342,7 +342,8 @@ def test_layout_invariance_surrogate_active_qwen3_clipped_gives_tp1_update(repla
             assert max_abs_diff_all(g, g1, keys=list(g1)) <= 1e-5 * scale, (name, "step", i)
             assert c == pytest.approx(c1, rel=1e-5), (name, "clip coefficient", i, c, c1)
         _check_weights(name, r["weights"], base["weights"], r["steps"], base["steps"], Q3_LR, Q3_EPS)
-        print(f"{name}: weights max diff {max_abs_diff_all(r['weights'], base['weights'], keys=list(base['weights'])):.2e}")
+        moved = max_abs_diff_all(r["weights"], base["weights"], keys=list(base["weights"]))
+        print(f"{name}: weights max diff {moved:.2e}")
     print(f"tp1: clipfrac low {m1['clipfrac_low']:.4f} high {m1['clipfrac_high']:.4f}, clip coefficients "
           f"{[round(c, 4) for _, c in base['steps']]}, loss {m1['loss']:.4f}, kl {m1['kl']:.4f}")
 

@@ -69,7 +69,8 @@ def _save_then_load_elsewhere(rank, world, root):
             # compared bitwise above, and they differ from the bf16 weights (so masters rebuilt
             # from the rounded weights on load would fail that comparison).
             masters = [k for k in common if k.startswith("main_param:")]
-            rounded_away = worst(max_abs_diff(before[k], before[k.split(":", 1)[1]]) for k in masters) if masters else 0.0
+            rounded_away = (worst(max_abs_diff(before[k], before[k.split(":", 1)[1]]) for k in masters)
+                            if masters else 0.0)
             results["bf16 masters saved"] = (0.0 if masters and rounded_away > 0 else 1.0, len(masters), meta["data"])
     return results
 
