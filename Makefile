@@ -12,7 +12,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.grpo-mega-installed
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: env demo test test-fast docs clean-env
+.PHONY: env demo test test-fast docs mutations clean-env
 
 env: $(STAMP)
 
@@ -44,6 +44,11 @@ docs: $(STAMP)
 	$(PY) tools/gen_docs.py
 	$(PY) -m sphinx -W --keep-going -n -q -b html docs docs/_build/html
 	@echo "[docs] docs/_build/html/index.html"
+
+# The catalogue of bugs the suite must catch (tests/mutations.yaml), each applied to a
+# scratch copy: slow, not part of `make test`. Subset: make mutations ARGS="--only ID,ID".
+mutations: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) tools/mutations.py $(ARGS)
 
 clean-env:
 	rm -rf $(VENV)

@@ -24,6 +24,7 @@ import importlib.util
 import io
 import re
 import shlex
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,6 +77,7 @@ def check_train(config: str | None, overrides: list[str], world: int | None, rea
 def _tool_parser(path: Path):
     spec = importlib.util.spec_from_file_location(f"_docs_tool_{path.stem}", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses in the tool look their module up there
     spec.loader.exec_module(mod)
     return mod
 
@@ -178,7 +180,9 @@ def check_command(line: str) -> str:
         for t in plain:
             assert t in targets, f"make {t}: no such target (Makefile has {targets})"
         for a in args:
-            if a.startswith("ARGS="):
+            if a.startswith("ARGS=") and plain == ["mutations"]:
+                _check_tool("tools/mutations.py", shlex.split(a[5:]))
+            elif a.startswith("ARGS="):
                 demo_args = [x for x in shlex.split(a[5:]) if x not in ("--fresh", "--moe", "--verbose")]
                 from grpo_mega.config import load_config
                 load_config(str(REPO / "grpo_mega/configs/demo.yaml"), demo_args)

@@ -81,14 +81,18 @@ def test_fault_cli_overrides_give_config_error_or_typed_config(pairs):
         pass
 
 
-@FAST
-@given(st.one_of(YAMLISH, st.dictionaries(st.sampled_from(["model", "data", "reward", "checkpoint"]),
-                                          st.one_of(YAMLISH, st.dictionaries(
-                                              st.sampled_from([n for _, n in _fields()][:60]), YAMLISH,
-                                              max_size=3)), max_size=3)))
-def test_fault_yaml_config_gives_config_error_or_typed_config(data):
-    """Guards against a config file whose top level or section keys are not strings (a
-    TypeError from getattr) or whose values are stored untyped."""
+def _section_values(section: str):
+    """A section's body: its own field names with arbitrary YAML values, so that the values
+    reach the coercion instead of stopping at "unknown field"."""
+    names = [n for sec, n in _fields() if sec == section]
+    return st.dictionaries(st.sampled_from(names), YAMLISH, min_size=1, max_size=3)
+
+
+SECTIONS = sorted({sec for sec, _ in _fields()})
+
+
+def _load_yaml(data):
+    """load_config of ``data`` written as a YAML file: a typed Config, or None on ConfigError."""
     import yaml
 
     from grpo_mega.config import ConfigError, load_config
@@ -97,9 +101,31 @@ def test_fault_yaml_config_gives_config_error_or_typed_config(data):
         path = Path(d) / "c.yaml"
         path.write_text(yaml.safe_dump(data))
         try:
-            cfg = load_config(str(path))
+            return load_config(str(path))
         except ConfigError:
-            return
+            return None
+
+
+@FAST
+@given(st.one_of(YAMLISH, st.dictionaries(st.sampled_from(SECTIONS), YAMLISH, max_size=3)))
+def test_fault_yaml_config_gives_config_error_or_typed_config(data):
+    """Guards against a config file whose top level or section keys are not strings (a
+    TypeError from getattr) or whose values are stored untyped."""
+    cfg = _load_yaml(data)
+    if cfg is not None:
+        _check_types(cfg)
+
+
+@pytest.mark.parametrize("section", SECTIONS)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_fault_yaml_section_values_give_config_error_or_typed_config(section, data):
+    """Guards against a section whose YAML values are stored without coercion (a string
+    where an int belongs), in every section: an earlier single test drew field names from
+    the first 60 fields, so the data, reward and checkpoint sections almost always stopped
+    at "unknown field" before any value was coerced."""
+    cfg = _load_yaml({section: data.draw(_section_values(section))})
+    if cfg is not None:
         _check_types(cfg)
 
 
@@ -154,7 +180,9 @@ def test_fault_reward_inputs_score_or_fail_as_a_counted_reward_error(completion,
     assert len(result.scores) == 1 and math.isfinite(result.scores[0])
     assert result.scores[0] in (0.0, 1.0)
     assert result.num_errors == (1 if reference is None else 0)
-    try:
-        RewardScorer([spec], num_workers=0, on_error="raise").score([sample])
-    except RewardError:
-        assert reference is None
+    strict = RewardScorer([spec], num_workers=0, on_error="raise")
+    if reference is None:  # the failure counted above must raise under "raise"
+        with pytest.raises(RewardError):
+            strict.score([sample])
+    else:
+        assert strict.score([sample]).scores == result.scores

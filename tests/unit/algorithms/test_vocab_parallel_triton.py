@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tests import REPO
+from tests.compare import max_abs_diff, max_abs_diff_all, worst
 
 ROOT = REPO
 
@@ -150,10 +152,10 @@ def _update_rank(rank, world):
                                                   max_len=8, reuse_current_as_old=False, **kw))
         runs[fused] = (batch.old_logp[batch.loss_mask], metrics, opt.grads)
     (lp0, m0, g0), (lp1, m1, g1) = runs[False], runs[True]
-    scale = max(float(x.abs().max()) for x in g0)
-    return {"old_logp": float((lp0 - lp1).abs().max()),
-            "metrics": max(abs(m0[k] - m1[k]) for k in m0 if k != "skipped"),
-            "grads": max(float((a - b).abs().max()) for a, b in zip(g0, g1)) / scale,
+    scale = worst(float(x.abs().max()) for x in g0)
+    return {"old_logp": max_abs_diff(lp0, lp1),
+            "metrics": worst(abs(m0[k] - m1[k]) for k in m0 if k != "skipped"),
+            "grads": max_abs_diff_all(list(g0), list(g1)) / scale,
             "grad_norm": m0["grad_norm"], "n_metrics": len(m0)}
 
 

@@ -23,6 +23,7 @@ from grpo_mega.models.hf import MappingError
 from grpo_mega.models.hf_config import hf_config_from_model_config, model_config_from_hf
 from grpo_mega.preflight.validate import validate
 from tests import REPO
+from tests.compare import max_abs_diff, max_abs_diff_all
 from tests.scripts import moe_ranks
 from tests.scripts.bridge_fixtures import read_hf_tensors, write_hf_checkpoint
 
@@ -148,9 +149,7 @@ def _logits(runs) -> torch.Tensor:
     return torch.cat([by_dp[i] for i in sorted(by_dp)])
 
 
-def _max_diff(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+_max_diff = max_abs_diff_all  # NaN kept, keys must agree
 
 
 def test_moe_checkpoint_round_trips_bitwise_through_mcore(reports):
@@ -170,7 +169,7 @@ def test_moe_mcore_load_at_ep2_equals_direct_hf_load(reports):
 def test_moe_logits_match_transformers(reports, tp, ep, aux):
     """Guards against routing that differs from HF's Qwen3MoeSparseMoeBlock (softmax over
     all experts, top-k, renormalised) or experts mapped to the wrong index."""
-    assert float((_logits(_layout(reports, tp, ep, aux)) - reports[0]["hf_logits"]).abs().max()) <= HF_TOL
+    assert max_abs_diff(_logits(_layout(reports, tp, ep, aux)), reports[0]["hf_logits"]) <= HF_TOL
 
 
 @pytest.mark.parametrize("ref,ep_run", [((1, 1, moe_ranks.AUX_COEFF), (1, 2, moe_ranks.AUX_COEFF)),
@@ -181,7 +180,7 @@ def test_expert_parallel_matches_ep1_logits_loss_grads(reports, ref, ep_run):
     grad norm missing other EP ranks' experts, or (TP2) expert weight grads counted once per
     TP copy of each token. EP2 at TP1 (load-balancing loss on) vs EP1, and TP2 x EP2 vs TP1 x EP1."""
     a, b = _layout(reports, *ref), _layout(reports, *ep_run)
-    assert float((_logits(a) - _logits(b)).abs().max()) <= EP_TOL
+    assert max_abs_diff(_logits(a), _logits(b)) <= EP_TOL
     assert abs(a[0]["loss"] - b[0]["loss"]) <= EP_TOL
     assert _max_diff(_grads(a), _grads(b)) <= EP_TOL
     assert abs(a[0]["grad_norm"] - b[0]["grad_norm"]) <= EP_TOL * a[0]["grad_norm"]

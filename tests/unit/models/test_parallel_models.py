@@ -13,12 +13,15 @@ import dataclasses
 import pytest
 import torch
 
+from tests.compare import max_abs_diff, worst, worst_over_ranks
 from tests.distributed import run_ranks
 
 VARIANTS = {
     "qwen2_tied_bias": dict(family="qwen2", qkv_bias=True, tie_embeddings=True),
     "llama_untied": dict(family="llama", qkv_bias=False, tie_embeddings=False),
     "llama_tied": dict(family="llama", qkv_bias=False, tie_embeddings=True),
+    # Per-head QK-norms: TP-replicated weights whose grads are partial per TP rank.
+    "qwen3_qk_norm": dict(family="qwen3", qkv_bias=False, tie_embeddings=True),
 }
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp) at world size 4; dp = 4 / (tp * pp)
 BATCH, SEQ, VOCAB = 8, 9, 300
@@ -93,7 +96,7 @@ def _check_all_layouts(rank, world_size, variant_names, break_fc1):
         # Large eps: Adam's first step is ~lr*sign(g), which would turn 1e-9 rounding noise
         # in near-zero grads into lr-sized differences and hide what we test (the clip).
         opt_cfg = OptimizerConfig(lr=1e-2, clip_grad=0.05, eps=1e-3)
-        ref_norm = ParallelAdamW(ref, opt_cfg, solo).step()["grad_norm"]
+        ref_norm, ref_coef = _independent_clipped_step(ref, opt_cfg)
         ref_after = layout.canonical_state_dict(ref, ps, mcfg.num_layers, VOCAB)
         ref_logits = ref_logits[0][..., :VOCAB]
         ref_loss = float(loss.detach())
@@ -126,33 +129,39 @@ def _check_all_layouts(rank, world_size, variant_names, break_fc1):
                     torch.distributed.all_reduce(nll, group=ps.dp_group)
                 res["loss"] = abs(float(nll) / total - ref_loss)
             per_stage = mcfg.num_layers // pp
-            gmax = 0.0
+            gdiffs = []
             for local_name, p in model.named_parameters():
                 name = layout.to_global_name(local_name, ps.pp_rank, per_stage)
                 if getattr(p, "shared", False) and pp > 1:
                     name = "embedding.word_embeddings.weight"
                 g_full = layout.gather(name, p.grad, ps.tp_group, tp, VOCAB)
-                gmax = max(gmax, float((g_full - ref_grads[name]).abs().max()))
-            res["grads"] = gmax
+                gdiffs.append(max_abs_diff(g_full, ref_grads[name]))
+            res["grads"] = worst(gdiffs)
             # Clip + step must give the same update at every layout.
             info = opt.step(reduce=False)
             coef = info["clip_coef"]
             res["norm_rel"] = abs(info["grad_norm"] - ref_norm) / ref_norm
             after = layout.canonical_state_dict(model, ps, mcfg.num_layers, VOCAB)
-            res["update"] = max(float((v - ref_after[k]).abs().max()) for k, v in after.items()
-                                if k in ref_after)
+            res["update"] = worst(max_abs_diff(v, ref_after[k]) for k, v in after.items()
+                                  if k in ref_after)
             res["clip_coef"] = coef
+            res["coef_rel"] = abs(coef - ref_coef) / ref_coef
             report[key] = res
     return report
 
 
-def _max_over_ranks(results, key):
-    merged = {}
-    for r in results:
-        for k, v in r.items():
-            if key in v:
-                merged[k] = max(merged.get(k, 0.0), v[key])
-    return merged
+def _independent_clipped_step(model, opt_cfg):
+    """One clipped AdamW step of the unsharded ``model`` by torch alone, sharing no code
+    with ``optim/``: ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW``.
+    Returns (global grad norm, clip coefficient max_norm / (norm + 1e-6), computed here)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = float(torch.nn.utils.clip_grad_norm_(params, opt_cfg.clip_grad))
+    torch.optim.AdamW(params, lr=opt_cfg.lr, betas=(opt_cfg.beta1, opt_cfg.beta2), eps=opt_cfg.eps,
+                      weight_decay=opt_cfg.weight_decay).step()
+    return norm, min(1.0, opt_cfg.clip_grad / (norm + 1e-6))
+
+
+_max_over_ranks = worst_over_ranks
 
 
 @pytest.fixture(scope="module")
@@ -172,12 +181,18 @@ def test_tp_pp_layouts_match_single_rank(layout_results, quantity):
 
 def test_clipped_update_is_identical_at_every_layout(layout_results):
     """Guards against a grad-norm that double-counts replicated params (norms over TP,
-    the tied embedding over PP, DP replicas): the clipped update must not depend on layout."""
+    the tied embedding over PP, DP replicas) and a wrong clip coefficient (squared,
+    inverted): at every layout the norm, the coefficient and the clipped update must equal
+    those of ``torch.nn.utils.clip_grad_norm_`` + ``torch.optim.AdamW`` on the unsharded
+    model (no code shared with ``optim/``)."""
     upd = _max_over_ranks(layout_results, "update")
     coef = _max_over_ranks(layout_results, "clip_coef")
     norm = _max_over_ranks(layout_results, "norm_rel")
+    coef_rel = _max_over_ranks(layout_results, "coef_rel")
+    assert len(upd) == len(VARIANTS) * len(LAYOUTS), upd
     assert all(v < 1e-6 for v in norm.values()), f"global grad norm differs: {norm}"
     assert all(c < 1.0 for c in coef.values()), f"clipping was not active: {coef}"
+    assert all(v < 1e-6 for v in coef_rel.values()), f"clip coefficient differs from torch's: {coef_rel}"
     bad = {k: v for k, v in upd.items() if not v <= 1e-6}
     assert not bad, f"updates differ from the single-rank model: {bad}"
 

@@ -50,9 +50,11 @@ def _recompute_rank(rank, world, tp):
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_recompute_full_and_selective_match_stored_activations(tp):
-    """Guards against a recompute setting that changes the math (RNG state or inputs not
-    restored for the second forward, a chunk recomputed with the wrong layer) or that is
-    silently ignored (config field never reaching megatron): loss and every gradient of
+    """Guards against a recompute setting that changes the math (inputs not restored for the
+    second forward, a chunk recomputed with the wrong layer) or that is silently ignored
+    (config field never reaching megatron). (It cannot test the RNG-state restore: every
+    model here is built with dropout 0, so the forward draws no random numbers.) Loss and
+    every gradient of
     ``full`` and ``selective`` must equal ``none`` (1e-6), and with two micro-batches of two
     layers, ``full`` must run each layer's forward twice (8 calls, not 4) and
     ``selective`` the core attention twice with the layers once."""

@@ -23,6 +23,7 @@ import torch
 
 from grpo_mega.rollout import EngineConfig, RolloutBatch, RolloutEngine, SamplingConfig, logprobs_mode_for
 from grpo_mega.rollout.engine import _request_seed
+from tests.compare import max_abs_diff, max_abs_diff_all, worst
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = [pytest.mark.vllm,
@@ -75,14 +76,15 @@ def hf_logprob_error(model_dir: str, batch: RolloutBatch, temperature: float) ->
     if model_dir not in _HF_MODELS:
         _HF_MODELS[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model = _HF_MODELS[model_dir]
-    worst = 0.0
+    diffs = []
+    assert len(batch.prompt_ids) == len(batch.response_ids) == len(batch.logprobs)
     for p, r, lp in zip(batch.prompt_ids, batch.response_ids, batch.logprobs):
         with torch.no_grad():
             logits = model(torch.tensor([p + r])).logits[0].float()
         ref = torch.log_softmax(logits / temperature, -1)[len(p) - 1:len(p) + len(r) - 1]
         ref = ref.gather(-1, torch.tensor(r)[:, None])[:, 0]
-        worst = max(worst, (ref - torch.tensor(lp)).abs().max().item())
-    return worst
+        diffs.append(max_abs_diff(ref, torch.tensor(lp)))
+    return worst(diffs)
 
 
 # ---------------------------------------------------------------------------
@@ -539,4 +541,5 @@ def test_child_engine_serves_its_replica_and_updates_through_shm(engine, prompts
         engine.reset_prefix_cache()
     fresh_b = RolloutBatch.from_dict(r0["fresh_b"])
     assert fresh_b.response_ids == updated_b.response_ids
-    assert max(abs(a - b) for x, y in zip(fresh_b.logprobs, updated_b.logprobs) for a, b in zip(x, y)) < TOL
+    assert max_abs_diff_all([torch.tensor(x) for x in fresh_b.logprobs],
+                            [torch.tensor(y) for y in updated_b.logprobs]) < TOL

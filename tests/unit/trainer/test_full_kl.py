@@ -12,6 +12,7 @@ import functools
 import pytest
 import torch
 
+from tests.compare import max_abs_diff_all, worst
 from tests.distributed import run_ranks
 from tests.unit.trainer.test_batch import PROMPTS, RESPONSES, _batch, _model_cfg
 
@@ -121,10 +122,11 @@ def _full_kl_rank(rank, world):
                                    allow_unused=True)
     loss64.backward()
     opt.reduce_grads()
-    scale = max(float(r.abs().max()) for r in opt.grads)
-    grad_diff = max(float((p.grad - r).abs().max()) for p, r in zip(opt.main, opt.grads))
-    kl_share = max(float((p.grad - (q if q is not None else 0)).abs().max())
-                   for p, q in zip(model.parameters(), pg_grads))
+    scale = worst(float(r.abs().max()) for r in opt.grads)
+    grad_diff = max_abs_diff_all([p.grad for p in opt.main], opt.grads)
+    params = list(model.parameters())
+    kl_share = max_abs_diff_all([p.grad for p in params],
+                                [q if q is not None else torch.zeros_like(p) for p, q in zip(params, pg_grads)])
     ref_unchanged = all(torch.equal(v, ref.state_dict()[k]) for k, v in ref_start.items())
     return {"metrics": metrics, "loss64": float(loss64.detach()),
             "kl64": float(kl64[b.loss_mask].mean()), "grad_diff": grad_diff, "grad_scale": scale,

@@ -23,6 +23,8 @@ from tests.unit.trainer.test_batch import _batch
 
 VOCAB, V_PAD = 50, 64  # at TP=2 rank 1's shard is columns 32..63: 14 padding columns
 CHUNKS = (None, 4, 5, 1000)
+TEMPS = (1.0, 0.7)
+CHECKS = ("loss", "logp", "metrics", "grad", "grad_zero_off_grid")  # per (kind, T, chunk)
 
 
 def _ps(group):
@@ -91,7 +93,7 @@ def _checks(group) -> dict:
     for kind in ("k3", "full"):
         algo = AlgorithmConfig(kl_coef=0.3, kl_kind=kind, clip_low=0.2, clip_high=0.28)
         ref = ref_shard if A.kl_needs_logits(kind) else None
-        for temp in (1.0, 0.7):
+        for temp in TEMPS:
             x0 = shard.clone().requires_grad_()
             loss0, m0, logp0, ent0, kl0 = _previous_path(x0, ref, b, ps, algo, temp, counts)
             loss0.backward()
@@ -105,8 +107,8 @@ def _checks(group) -> dict:
                 key = f"{kind}_T{temp}_chunk{chunk}"
                 res[f"{key}_loss"] = bool(torch.equal(loss, loss0))
                 res[f"{key}_logp"] = bool(torch.equal(logp.detach(), logp0.detach()))
-                res[f"{key}_metrics"] = all(torch.equal(torch.as_tensor(m[k]), torch.as_tensor(m0[k]))
-                                            for k in m0)
+                res[f"{key}_metrics"] = len(m0) > 0 and all(
+                    torch.equal(torch.as_tensor(m[k]), torch.as_tensor(m0[k])) for k in m0)
                 if kind == "full":
                     res[f"{key}_grad"] = bool(torch.allclose(x.grad, x0.grad, rtol=1e-13, atol=1e-16))
                 else:
@@ -137,6 +139,11 @@ def test_per_block_sampling_transform_equals_the_full_shard_copy(tp, kind):
     columns left unmasked on the rank that holds them, the last position's logits leaking
     into the loss, or a gradient on padding columns. Loss, log-probs and metrics must be
     bitwise those of ``mask_vocab_padding(logits[:, :-1]) / T`` for every chunk size."""
-    for rank, res in enumerate(_launch()):
-        bad = [k for k, ok in res[tp].items() if k.startswith(kind) and not ok]
+    ran = len(CHECKS) * len(TEMPS) * len(CHUNKS) + (kind == "k3")  # + the near-padding gradient
+    results = _launch()
+    assert len(results) == 2, len(results)
+    for rank, res in enumerate(results):
+        mine = {k: ok for k, ok in res[tp].items() if k.startswith(kind)}
+        assert len(mine) == ran, f"rank {rank}: {len(mine)} checks ran, not {ran}: {sorted(mine)}"
+        bad = [k for k, ok in mine.items() if not ok]
         assert not bad, f"rank {rank}: {bad}"
