@@ -26,6 +26,9 @@ from typing import Optional
 
 EXIT_CODE = 75
 """Exit status of a process stopped because its parent died (EX_TEMPFAIL: retry later)."""
+PARENT_ENV = "GRPO_MEGA_PARENT_PID"
+"""The pid a watched process's children must outlive no longer than: set by every watched
+process (and by the trainer) for the children it starts, which inherit it."""
 
 _started: Optional[int] = None
 
@@ -46,16 +49,25 @@ def _kill_descendants() -> None:
             pass
 
 
-def watch_parent(what: str = "launcher", interval: float = 1.0, *, label: str = "") -> bool:
+def watch_parent(what: str = "launcher", interval: float = 1.0, *, label: str = "",
+                 expected_parent: Optional[int] = None) -> bool:
     """Exit this process (and kill its descendants) within ``interval`` seconds of its parent's
-    death. ``what`` names the parent in the message. Returns False, and watches nothing, when
-    the parent is already init (nothing to outlive) or a watcher runs in this process already."""
+    death. ``what`` names the parent in the message. ``expected_parent``: the pid that started
+    us, when known; if it is already gone (a rank SIGKILLed while its child was still
+    importing) we stop at once instead of watching init. Returns False, and watches nothing,
+    when the parent is init (nothing to outlive) or a watcher runs in this process already."""
     global _started
     parent = os.getppid()
+    who = label or f"pid {os.getpid()}"
+    if expected_parent is not None and parent != expected_parent:
+        print(f"[grpo] {who}: its {what} (pid {expected_parent}) is gone; stopping", file=sys.stderr,
+              flush=True)
+        _kill_descendants()
+        os._exit(EXIT_CODE)
     if parent == 1 or _started == os.getpid():
         return False
     _started = os.getpid()
-    who = label or f"pid {os.getpid()}"
+    os.environ[PARENT_ENV] = str(os.getpid())  # what our own children will watch
 
     def loop() -> None:
         while True:
@@ -68,6 +80,17 @@ def watch_parent(what: str = "launcher", interval: float = 1.0, *, label: str = 
 
     threading.Thread(target=loop, name="grpo-parent-watch", daemon=True).start()
     return True
+
+
+def watch_spawning_parent(label: str = "child process") -> bool:
+    """In a ``multiprocessing`` spawn child of a watched process (a reward worker, megatron's
+    checkpoint writer, a child vLLM engine): watch the pid the parent recorded in
+    ``PARENT_ENV``. Such children re-import the parent's main module as ``__mp_main__``, which
+    is where ``grpo_mega.train`` calls this; a child of a SIGKILLed rank otherwise lived on."""
+    pid = os.environ.get(PARENT_ENV, "")
+    if not pid.isdigit():
+        return False
+    return watch_parent("parent process", label=label, expected_parent=int(pid))
 
 
 def launched_by_launcher() -> bool:

@@ -26,15 +26,17 @@ import os
 import sys
 import time
 
-from grpo_mega import console
+from grpo_mega import console, lifeline
 
+if __name__ == "__mp_main__":  # a multiprocessing child of a rank re-imports this module first
+    lifeline.watch_spawning_parent()
 if __name__ == "__main__":  # before torch loads: it reads TORCH_CPP_LOG_LEVEL only then
     console.quiet_third_party(console.verbose_requested(sys.argv[1:]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from grpo_mega import faults, lifeline  # noqa: E402
+from grpo_mega import faults  # noqa: E402
 from grpo_mega.trainer import stages as S  # noqa: E402
 from grpo_mega.trainer.stages import stage  # noqa: E402
 from grpo_mega.trainer.trainer import Trainer, build_trainer  # noqa: E402
@@ -129,6 +131,7 @@ def run(t: Trainer) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    os.environ[lifeline.PARENT_ENV] = str(os.getpid())  # our spawn children watch us (__mp_main__)
     if lifeline.launched_by_launcher():  # torchrun puts ranks in their own sessions: a killed
         lifeline.watch_parent("torchrun agent", label=f"rank {os.environ.get('RANK', '0')}")  # agent orphans them
     t = build_trainer(["--logging.verbose=true" if a == "--verbose" else a for a in argv])

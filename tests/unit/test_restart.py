@@ -121,3 +121,28 @@ def test_restart_every_rank_resumes_the_checkpoint_rank_0_chose(tmp_path):
     (r0, held0), (r1, held1) = run_ranks(2, _claim_rank, str(tmp_path), timeout=120)
     assert r0 == r1 == str(tmp_path / "checkpoints" / "step_00000004")
     assert held0 == [str(tmp_path.resolve())] and held1 == []
+
+
+def test_kill_child_of_a_rank_killed_before_it_could_watch_stops_at_once(tmp_path):
+    """Guards against an orphaned child of a rank: a rank SIGKILLed while its spawn child
+    (a reward worker, megatron's checkpoint writer) was still importing left the child
+    re-parented to init, where a watcher that reads ``getppid()`` at start sees nothing to
+    outlive; it lived for the rest of the machine's day. A child told its parent's pid must
+    stop at once when that parent is already gone, and keep running while it is alive."""
+    from grpo_mega import lifeline
+
+    dead = subprocess.Popen([PY, "-c", "pass"])
+    dead.wait()
+    code = ("import time; from grpo_mega import lifeline; "
+            "lifeline.watch_spawning_parent('test child'); print('running', flush=True); time.sleep(30)")
+    orphan = subprocess.run([PY, "-c", code], env=dict(ENV, **{lifeline.PARENT_ENV: str(dead.pid)}),
+                            capture_output=True, text=True, timeout=60)
+    assert orphan.returncode == lifeline.EXIT_CODE and "running" not in orphan.stdout, orphan
+    assert f"(pid {dead.pid}) is gone" in orphan.stderr, orphan.stderr
+    alive = subprocess.Popen([PY, "-c", code], env=dict(ENV, **{lifeline.PARENT_ENV: str(os.getpid())}),
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert alive.stdout.readline().strip() == "running"
+    finally:
+        alive.kill()
+        alive.wait()
