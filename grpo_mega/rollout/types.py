@@ -245,3 +245,12 @@ class RolloutEngineProtocol(Protocol):
     def resume(self) -> None:
         """Take the memory back before the next rollout (vLLM wake_up)."""
         ...
+
+    def wake_weights(self) -> None:
+        """After the update: map the weights' memory back, for the sync to fill (a no-op
+        where nothing sleeps)."""
+        ...
+
+    def wake_kv_cache(self) -> None:
+        """After the sync: map the KV cache back (a no-op where nothing sleeps)."""
+        ...

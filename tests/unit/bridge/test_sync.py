@@ -491,6 +491,12 @@ class TorchEngine:
     def resume(self):
         self.resumes += 1
 
+    def wake_weights(self):
+        pass
+
+    def wake_kv_cache(self):
+        pass
+
     def logprobs(self, seqs):
         with torch.no_grad():
             out = []

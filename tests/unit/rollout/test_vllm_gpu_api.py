@@ -125,9 +125,11 @@ def test_gpu_ready_sleep_wake_rpc_and_cache_calls_fit_vllm_026(gpu_engine):
     """Guards against the colocated engine's memory phases and weight updates calling vLLM
     0.26.0 with arguments it rejects (sleep level, wake_up tags, collective_rpc's args)."""
     engine, calls = gpu_engine
-    engine.release()
-    engine.resume()
+    engine.release()  # the step's order: sleep, wake the weights, sync, wake the KV cache
+    engine.wake_weights()
     engine.update_weights([("model.norm.weight", torch.ones(4))])
+    engine.wake_kv_cache()
+    engine.resume()
     engine.weight_transport = "file"  # as a child-process engine receives them
     engine.update_weights([("model.norm.weight", torch.ones(4))])
     engine.reset_prefix_cache()
