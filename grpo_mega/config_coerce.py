@@ -85,28 +85,15 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
             return value.lower() in ("true", "1", "yes")
         raise ConfigError(f"{where}: expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, str):
+    if tp in (int, float):
+        # bool is an int to Python, never a count or a rate here; a float is no integer.
+        accepted = (int, str) if tp is int else (int, float, str)
+        if isinstance(value, accepted) and not isinstance(value, bool):
             try:
-                return int(value)
+                return tp(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
+        raise ConfigError(f"{where}: expected {'an integer' if tp is int else 'a number'}, got {value!r}")
     if tp is str:
         if isinstance(value, str):
             return value

@@ -120,7 +120,9 @@ class Preflight:
     eval_set: PromptDataset
     ckpt_dir: Path
     resume_from: Optional[Path]
-    """The checkpoint to resume from (``checkpoint.resume``), or None to start fresh."""
+    """The checkpoint ``checkpoint.resume`` finds here, or None: read on every rank so that a
+    missing or broken one fails before any process group. The run itself resumes from global
+    rank 0's choice, made again under the run-directory lock (``_claim_run``)."""
 
 
 def preflight(cfg: Config, world: int) -> Preflight:
