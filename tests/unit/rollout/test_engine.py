@@ -436,6 +436,7 @@ def _external_launcher_rank(rank, world, art):
     startup = time.perf_counter() - start
     shm = {"job": eng.shm_job_id, "live": [p.name for p in cpu_shm.segments_of(eng.shm_job_id)],
            "planted_left": [p.name for p in planted if p.exists()]}
+    dist.barrier()  # both ranks have looked before either removes what a bug left
     for p in planted:  # (the test leaves nothing behind even where the engine did not clear them)
         p.unlink(missing_ok=True)
     prompts = prompt_ids(art["tok_llama"])
