@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -21,7 +20,7 @@ from typing import Any, Optional
 import yaml
 
 from grpo_mega.config_coerce import (  # noqa: F401  (re-exported: the public config API)
-    ConfigError, apply_dict, apply_overrides, field_docs, parse_overrides, type_name)
+    ConfigError, apply_dict, apply_overrides, field_docs, parse_overrides, sections_help, type_name)
 
 
 @dataclass
@@ -219,6 +218,23 @@ class RewardConfig:
 
 
 @dataclass
+class EnvConfig:
+    name: Optional[str] = None
+    """Multi-turn episodes: an environment by registry name (``calculator``, ``python_tool``)
+    or ``package.module:Class``; None: single-turn prompts (docs/guides/environments.md).
+    The environment's reward then replaces ``reward.functions``."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment's constructor, checked at start-up."""
+    max_turns: int = 4
+    """Assistant turns per episode."""
+    max_tokens: int = 512
+    """Tokens after the first prompt (the model's and the environment's), at most."""
+    chat_format: str = "auto"
+    """The chat template family that renders and parses turns (``auto``: detected from the
+    tokenizer's chat template)."""
+
+
+@dataclass
 class AlgorithmConfig:
     logprob_kernel: str = "auto"
     """Per-token log-prob/entropy on the logits shard: ``torch`` (grpo_mega.algorithms),
@@ -410,6 +426,8 @@ class Config:
     """vLLM sampling and engine placement."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Reward functions and their error policy."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn environment (off by default)."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """GRPO objective and schedule."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -425,16 +443,7 @@ class Config:
 def help_text() -> str:
     """``--help``: every field with its type, default and docstring (allowed values, from the
     registries: docs/reference/config.md)."""
-    lines = ["Config fields (override with --section.key=value; types, defaults and allowed values:",
-             "docs/reference/config.md):"]
-    for sec in dataclasses.fields(Config):
-        cls = sec.default_factory().__class__
-        docs, types = field_docs(cls), typing.get_type_hints(cls)
-        lines.append(f"\n[{sec.name}]")
-        for f in dataclasses.fields(cls):
-            default = getattr(sec.default_factory(), f.name)
-            lines.append(f"  --{sec.name}.{f.name} ({type_name(types[f.name])}, default {default!r}): {docs.get(f.name, '')}")
-    return "\n".join(lines)
+    return sections_help(Config)
 
 
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> Config:

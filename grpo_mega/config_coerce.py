@@ -154,3 +154,19 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
             raise ConfigError(f"--{key}: unknown field; {sec_name} has {sorted(types)}")
         setattr(section, name, _coerce(value, types[name], f"{key} (from --{key})"))
     return cfg
+
+
+def sections_help(config_cls: type) -> str:
+    """``--help`` text: every field of every section of ``config_cls`` with its type,
+    default and docstring."""
+    lines = ["Config fields (override with --section.key=value; types, defaults and allowed values:",
+             "docs/reference/config.md):"]
+    for sec in dataclasses.fields(config_cls):
+        cls = sec.default_factory().__class__
+        docs, types = field_docs(cls), typing.get_type_hints(cls)
+        lines.append(f"\n[{sec.name}]")
+        for f in dataclasses.fields(cls):
+            default = getattr(sec.default_factory(), f.name)
+            lines.append(f"  --{sec.name}.{f.name} ({type_name(types[f.name])}, default {default!r}): "
+                         f"{docs.get(f.name, '')}")
+    return "\n".join(lines)

@@ -20,6 +20,14 @@ METRICS: dict[str, tuple[str, str]] = {
     "truncated_frac": ("fraction", "share of responses cut at rollout.max_new_tokens"),
     "reward_failures": ("count", "samples whose reward function raised or timed out (scored 0 under "
                                  "reward.on_error=zero)"),
+    # multi-turn episodes (env.name set), means per episode
+    "episode_turns": ("count", "assistant turns per episode"),
+    "episode_tool_calls": ("count", "tool calls the model made per episode"),
+    "episode_tool_errors": ("count", "tool calls per episode that gave the model an error (bad call, crash, "
+                                     "timeout, limit)"),
+    "token_mismatch": ("count", "token-exact problems per episode: the trajectory's ids differ from the chat "
+                                "template's rendering (0 by construction; anything else is a bug)"),
+    "episode_env_tokens": ("tokens", "tokens per episode appended from the environment (never trained on)"),
     # DAPO dynamic sampling (algorithm.dynamic_sampling)
     "dapo_rounds": ("count", "sampling rounds this step took"),
     "groups_used": ("count", "groups with a reward spread trained on"),

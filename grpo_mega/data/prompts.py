@@ -55,6 +55,9 @@ class Prompt:
     token_ids: tuple[int, ...]
     reference: str | None
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    messages: tuple = ()
+    """The row's chat messages before any template (``[{"role": "user", "content": prompt}]``
+    for a string prompt): what a multi-turn environment's ``reset`` reads."""
 
 
 # ---------------------------------------------------------------------------
@@ -296,6 +299,7 @@ class PromptDataset:
     def _make_prompt(where, uid, row, tokenizer, prompt_field, messages_field, reference_field,
                      metadata_fields, chat_template, system_prompt, add_bos) -> Prompt:
         if prompt_field not in row and messages_field is not None and messages_field in row:
+            messages = tuple(_check_messages(row[messages_field], where, messages_field))
             text = render_messages(row[messages_field], chat_template, tokenizer, system_prompt,
                                    where, messages_field)
         else:
@@ -310,6 +314,7 @@ class PromptDataset:
                 raise DataError(f"{where}: field {prompt_field!r} is an empty prompt; remove the row "
                                 "or fill it in")
             text = render_prompt(raw, chat_template, tokenizer, system_prompt, where)
+            messages = tuple(_messages(raw, system_prompt, where))
         reference = None
         if reference_field is not None:
             reference = str(_field(row, reference_field, where, "reference"))
@@ -323,7 +328,7 @@ class PromptDataset:
         ids = tuple(tokenizer.encode(text, add_bos=add_bos))
         if not ids:  # the engine refuses an empty request mid-run, on some rank
             raise DataError(f"{where}: the prompt {text!r} encodes to no tokens; remove the row or fill it in")
-        return Prompt(uid, text, ids, reference, meta)
+        return Prompt(uid, text, ids, reference, meta, messages)
 
     def _check_not_empty(self) -> None:
         if self.prompts:

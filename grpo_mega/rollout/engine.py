@@ -293,7 +293,7 @@ class RolloutEngine(SleepPhases):
         self.llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params, use_tqdm=False)
 
     # -- generation ------------------------------------------------------
-    def _sampling_params(self, s: SamplingConfig, seed: int | None):
+    def _sampling_params(self, s: SamplingConfig, seed: int | None, max_tokens: int | None = None):
         if s.transforms_logits and self.logprobs_mode == "raw_logprobs":
             raise ValueError(
                 f"sampling with temperature={s.temperature}, top_p={s.top_p}, top_k={s.top_k} "
@@ -304,18 +304,23 @@ class RolloutEngine(SleepPhases):
 
         return SamplingParams(
             n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else 0,
-            max_tokens=s.max_new_tokens, min_tokens=s.min_new_tokens, stop=list(s.stop) or None,
+            max_tokens=max_tokens or s.max_new_tokens, min_tokens=min(s.min_new_tokens, max_tokens or s.max_new_tokens),
+            stop=list(s.stop) or None,
             stop_token_ids=list(s.stop_token_ids) or None, ignore_eos=s.ignore_eos,
             seed=seed, logprobs=0, detokenize=True, flat_logprobs=True)
 
     def generate(self, prompts: Sequence[Any], sampling: SamplingConfig | None = None, *,
-                 step: int | None = None, prompt_offset: int = 0, progress: bool = False) -> RolloutBatch:
+                 step: int | None = None, prompt_offset: int = 0, progress: bool = False,
+                 keys: Sequence[int] | None = None, budgets: Sequence[int] | None = None) -> RolloutBatch:
         """Sample ``n`` responses for each prompt (token id lists or objects
         with ``token_ids``, e.g. ``data.Prompt``). Collective over the replica
         (and over the world for ``external_launcher``); every rank of the
         replica returns the same batch. ``step`` feeds the per-request seeds
         (default: an internal counter). ``progress``: vLLM's progress bar, when stderr is a
-        terminal (evaluation uses it)."""
+        terminal (evaluation uses it). ``keys``: each request's seed index (default
+        ``prompt_offset + i``; multi-turn episodes pass their own, so an episode keeps its
+        random stream whichever others are still running). ``budgets``: each request's
+        ``max_new_tokens`` (default: the sampling's)."""
         s = sampling or self.sampling
         step = self._step if step is None else step
         self._step = step + 1
@@ -323,7 +328,7 @@ class RolloutEngine(SleepPhases):
         batch = None
         if self.holds_engine:
             batch = self._generate_local(prompts, s, step, prompt_offset,
-                                         progress and sys.stderr.isatty())
+                                         progress and sys.stderr.isatty(), keys, budgets)
         if self.mode == "child" and len(self._replica_ranks) > 1:
             batch = self._broadcast(batch)
         return batch
@@ -355,21 +360,24 @@ class RolloutEngine(SleepPhases):
         return prompt_slice(everything, len(global_prompts), to_rank, to_size)
 
     def _generate_local(self, prompts: Sequence[Any], s: SamplingConfig, step: int,
-                        offset: int, use_tqdm: bool = False) -> RolloutBatch:
+                        offset: int, use_tqdm: bool = False, keys: Sequence[int] | None = None,
+                        budgets: Sequence[int] | None = None) -> RolloutBatch:
         from vllm.inputs import TokensPrompt
 
         ids = [list(getattr(p, "token_ids", p)) for p in prompts]
         max_len = self.llm.llm_engine.model_config.max_model_len
+        budgets = [s.max_new_tokens] * len(ids) if budgets is None else list(budgets)
         for i, p in enumerate(ids):
             if not p:
                 raise ValueError(f"prompt {offset + i} is empty")
-            if len(p) + s.max_new_tokens > max_len:
+            if len(p) + budgets[i] > max_len:
                 # vLLM would reject it mid-batch or cut the response short.
                 raise ValueError(f"prompt {offset + i} has {len(p)} tokens; with max_new_tokens="
                                  f"{s.max_new_tokens} it exceeds the engine's max_model_len={max_len} "
                                  "(raise rollout max_model_len or lower data max_prompt_tokens)")
         requests = [TokensPrompt(prompt_token_ids=p) for p in ids]
-        params = [self._sampling_params(s, _request_seed(s.seed, step, offset + i, s.n))
+        keys = [offset + i for i in range(len(ids))] if keys is None else list(keys)
+        params = [self._sampling_params(s, _request_seed(s.seed, step, keys[i], s.n), budgets[i])
                   for i in range(len(ids))]
         start = time.perf_counter()
         outputs = self.llm.generate(requests, params, use_tqdm=use_tqdm) if requests else []

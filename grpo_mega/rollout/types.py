@@ -135,6 +135,15 @@ class RolloutBatch:
     """vLLM's decoded response text (stop string excluded)."""
     stop_reasons: list[Any] = field(default_factory=list)
     """The stop string or stop token id that ended a sample, else None."""
+    response_mask: list[list[int]] = field(default_factory=list)
+    """Multi-turn episodes: per response token, 1 where the model sampled it and 0 where the
+    environment's reply (tool output, chat-template separators) was appended; its logprob
+    is then 0.0 and the loss never reads it. Empty for single-turn batches (all sampled)."""
+    episode_rewards: list[float] = field(default_factory=list)
+    """Multi-turn episodes: the environment's reward (the sum over turns). Empty otherwise."""
+    episode_info: list[dict] = field(default_factory=list)
+    """Multi-turn episodes: JSON-able facts per episode (turns, tool calls, token-exact
+    problems) for metrics. Empty otherwise."""
     logprobs_mode: str = "raw_logprobs"
     seconds: float = 0.0
 
@@ -188,7 +197,7 @@ class RolloutBatch:
 
 
 _PER_SAMPLE = ("prompt_ids", "response_ids", "logprobs", "finish_reasons", "prompt_index", "texts",
-               "stop_reasons")
+               "stop_reasons", "response_mask", "episode_rewards", "episode_info")
 """The ``RolloutBatch`` fields with one entry per sample."""
 
 ProbeSpec = tuple  # (hf_name, rows: list[int] | None, cols: list[int] | None)

@@ -57,9 +57,15 @@ class TrainingBatch:
     @classmethod
     def pack(cls, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
              rollout_logp: Sequence[Sequence[float]], advantages: Sequence[float] | Tensor, *,
-             pad_id: int, device: torch.device | str = "cpu", pad_to_multiple: int = 1) -> "TrainingBatch":
+             pad_id: int, device: torch.device | str = "cpu", pad_to_multiple: int = 1,
+             response_mask: Optional[Sequence[Sequence[int]]] = None) -> "TrainingBatch":
         """Pad every row to the step's longest sequence (rounded up to ``pad_to_multiple``)
         on the host, then move the batch to ``device`` once.
+
+        ``response_mask`` (multi-turn episodes): per response token, 1 where the model
+        sampled it, 0 where the environment's tokens were appended; the loss mask then
+        leaves the 0 tokens out (their rollout log-probs are kept as given, 0.0).
+        None or empty: every response token is the model's.
 
         ``advantages``: [N] per sequence, or a [N, T] tensor per response token (T >= the
         longest response; row i's first len(response_ids[i]) columns are used), placed on
@@ -79,6 +85,12 @@ class TrainingBatch:
         rlp = torch.zeros((n, s - 1), dtype=torch.float32)
         rlp[mask] = torch.tensor([x for lp in rollout_logp for x in lp],
                                  dtype=torch.float32)
+        sampled = None
+        if response_mask:
+            if [len(m) for m in response_mask] != [len(r) for r in response_ids]:
+                raise ValueError("response_mask must have one entry per response token of every row")
+            sampled = torch.zeros((n, s - 1), dtype=torch.bool)
+            sampled[mask] = torch.tensor([bool(x) for m in response_mask for x in m], dtype=torch.bool)
         adv = torch.as_tensor(advantages, dtype=torch.float32)
         per_token = adv.dim() == 2
         if per_token:
@@ -89,6 +101,8 @@ class TrainingBatch:
             adv_tok = torch.zeros((n, s - 1), dtype=torch.float32)
             adv_tok[mask] = adv[torch.arange(adv.shape[1]).reshape(1, -1) < count]
         adv = adv_tok if per_token else adv.reshape(n)
+        if sampled is not None:
+            mask = mask & sampled  # environment tokens are context, never trained on
         tokens = tokens.to(device)
         return cls(tokens=tokens, targets=tokens[:, 1:], loss_mask=mask.to(device),
                    advantages=adv.to(device), rollout_logp=rlp.to(device), seq_lens=lens,

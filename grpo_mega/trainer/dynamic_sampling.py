@@ -33,6 +33,8 @@ class KeptGroups:
     logprobs: list[list[float]] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     group_size: int = 1
+    response_mask: list[list[int]] = field(default_factory=list)
+    """Per sample, as ``RolloutBatch.response_mask`` (empty: single-turn, all sampled)."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -46,12 +48,13 @@ class KeptGroups:
         self.response_ids += other.response_ids
         self.logprobs += other.logprobs
         self.rewards += other.rewards
+        self.response_mask += other.response_mask  # every round is multi-turn, or none is
 
     def groups(self, first: int, last: int) -> "KeptGroups":
         """Groups ``first..last-1`` as a new ``KeptGroups``."""
         a, b = first * self.group_size, last * self.group_size
         return KeptGroups(self.prompt_ids[a:b], self.response_ids[a:b], self.logprobs[a:b],
-                          self.rewards[a:b], self.group_size)
+                          self.rewards[a:b], self.group_size, self.response_mask[a:b])
 
 
 def keep_groups(batch: Any, rewards: list[float], group_size: int, tol: float = 0.0) -> KeptGroups:
@@ -59,8 +62,10 @@ def keep_groups(batch: Any, rewards: list[float], group_size: int, tol: float = 
     from grpo_mega.rewards import filter_uniform_groups
 
     idx = filter_uniform_groups(rewards, group_size, tol).sample_indices
+    mask = getattr(batch, "response_mask", [])
     return KeptGroups([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx],
-                      [batch.logprobs[i] for i in idx], [float(rewards[i]) for i in idx], group_size)
+                      [batch.logprobs[i] for i in idx], [float(rewards[i]) for i in idx], group_size,
+                      [mask[i] for i in idx] if mask else [])
 
 
 def need_more_groups(local_groups: int, target: int, rounds: int, max_rounds: int,

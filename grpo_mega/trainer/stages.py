@@ -57,6 +57,9 @@ def stage(name: str, timings: dict[str, float]) -> Iterator[None]:
 
 def _generate(t: Trainer, prompts: list[Prompt], step: int,
               sampling: Optional[SamplingConfig] = None, progress: bool = False) -> RolloutBatch:
+    if t.episodes is not None:  # multi-turn: whole episodes against the environment
+        from grpo_mega.trainer.episodes import play
+        return play(t, prompts, step, sampling)
     t.engine.resume()  # a no-op unless something released it since the last sync
     return t.engine.generate_resharded(prompts, sampling, step=step, to_rank=t.ps.dp_rank,
                                        to_size=t.ps.dp, progress=progress)
@@ -127,6 +130,9 @@ def _score(t: Trainer, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list
     With ``algorithm.advantage=process`` each reward is a ``StepScores``, else a float."""
     from grpo_mega.rewards import RewardSample
 
+    if t.episodes is not None:  # the environment scored each episode as it ran
+        return list(batch.episode_rewards), 0
+
     def score() -> tuple[list, int]:
         fault_point("reward.score")
         samples = []
@@ -176,15 +182,22 @@ def reward(t: Trainer, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list
     r = torch.tensor([_scalar(v) for v in rewards], dtype=torch.float64)
     lens = torch.tensor(batch.response_lengths, dtype=torch.float64)
     truncated = sum(f == "length" for f in batch.finish_reasons)
-    v = torch.tensor([r.sum(), (r * r).sum(), float(len(r)), (r >= 1.0).sum(), lens.sum(), truncated],
+    extra = []
+    if t.episodes is not None:
+        from grpo_mega.trainer.episodes import EPISODE_KEYS, episode_stats
+        extra = episode_stats(batch)
+    v = torch.tensor([r.sum(), (r * r).sum(), float(len(r)), (r >= 1.0).sum(), lens.sum(), truncated, *extra],
                      dtype=torch.float64, device=t.ps.device)  # NCCL groups take device tensors only
     if t.ps.dp > 1:
         dist.all_reduce(v, group=t.ps.dp_group)
     n = max(float(v[2]), 1.0)
     mean = float(v[0]) / n
-    return rewards, {"reward_mean": mean, "reward_std": math.sqrt(max(float(v[1]) / n - mean * mean, 0.0)),
-                     "accuracy": float(v[3]) / n, "response_len": float(v[4]) / n,
-                     "truncated_frac": float(v[5]) / n, "reward_failures": float(failures)}
+    stats = {"reward_mean": mean, "reward_std": math.sqrt(max(float(v[1]) / n - mean * mean, 0.0)),
+             "accuracy": float(v[3]) / n, "response_len": float(v[4]) / n,
+             "truncated_frac": float(v[5]) / n, "reward_failures": float(failures)}
+    if extra:
+        stats.update({k: float(x) / n for k, x in zip(EPISODE_KEYS, v[6:].tolist())})
+    return rewards, stats
 
 
 # ----------------------------------------------------------------------- advantage
@@ -198,7 +211,8 @@ def advantage(t: Trainer, batch: RolloutBatch | KeptGroups, rewards: list) -> Tr
     else:
         adv = A.group_advantages(torch.tensor(rewards), t.cfg.rollout.n, norm=algo.norm, baseline=algo.baseline)
     return TrainingBatch.pack(batch.prompt_ids, batch.response_ids, batch.logprobs, adv, pad_id=t.pad_id,
-                              device=t.ps.device, pad_to_multiple=seq_multiple(t.cfg.model, t.ps.tp))
+                              device=t.ps.device, pad_to_multiple=seq_multiple(t.cfg.model, t.ps.tp),
+                              response_mask=batch.response_mask)
 
 
 def record(t: Trainer, step: int, batch: TrainingBatch) -> None:

@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -65,6 +65,9 @@ class Trainer:
     started: float = field(default_factory=time.time)
     locks: list = field(default_factory=list)
     """The run-directory locks this job holds (global rank 0 only); released by ``close``."""
+    episodes: Optional[Any] = None
+    """Multi-turn runs (``env.name``): the chat codec, environment factory and limits
+    (``trainer.episodes.EpisodeSetup``); None for single-turn prompts."""
 
     @property
     def pad_id(self) -> int:
@@ -278,8 +281,10 @@ def build_trainer(argv=None) -> Trainer:
     if meta is not None:
         bridge.sync()  # the engine started from the HF weights; give it the resumed ones
 
+    from grpo_mega.trainer.episodes import build_episodes
+    episodes = build_episodes(cfg, tok)
     scorer = None
-    if ps.is_replica_leader:
+    if ps.is_replica_leader and episodes is None:
         from grpo_mega.rewards import RewardScorer
         rc = cfg.reward
         scorer = RewardScorer(reward_specs(cfg), num_workers=rc.num_workers, timeout_s=rc.timeout_seconds,
@@ -295,7 +300,7 @@ def build_trainer(argv=None) -> Trainer:
                            wandb=cfg.logging.wandb, total_steps=cfg.algorithm.steps, config=to_dict(cfg))
     t = Trainer(cfg=cfg, ps=ps, model=model, ref=ref, optimizer=optimizer, scheduler=scheduler,
                 tokenizer=tok, dataset=dataset, eval_set=eval_set, engine=engine, bridge=bridge,
-                scorer=scorer, sink=sink, ckpt_dir=ckpt_dir, locks=locks)
+                scorer=scorer, sink=sink, ckpt_dir=ckpt_dir, locks=locks, episodes=episodes)
     if meta is not None:
         t.step, t.eval_initial, t.eval_last = meta["step"], meta.get("eval_initial"), meta.get("eval_last")
         t.ref_reset_step = meta.get("ref_reset_step")

@@ -1,0 +1,294 @@
+"""Multi-turn, tool-using episodes, token-in/token-out.
+
+What: :func:`run_episodes` plays G episodes per prompt against an environment
+(``grpo_mega.envs``) and returns one :class:`RolloutBatch` whose samples are whole
+episodes. Each turn the engine samples an assistant turn from the episode's token ids
+so far; the turn's text is parsed into a message (content, tool calls) by the chat
+format; the environment answers; the chat format renders that answer, and the next
+generation prompt, as ids that are appended. The trajectory the trainer sees is
+exactly the ids the engine consumed and produced: earlier turns are never re-tokenized
+from text (a re-tokenized history can differ from what was sampled, and the model is
+then trained on tokens it never produced). ``response_mask`` is 1 on the model's
+tokens only, and each model token keeps its rollout log-prob (0.0 on the others).
+
+An episode ends when the environment says ``done``, when a turn is cut by its length
+limit (finish ``"length"``: a cut turn cannot be parsed), when ``max_turns`` assistant
+turns have run (finish ``"turns"``), or when the next turn would not fit the token
+budget (finish ``"length"``). The environment's last reply is never appended: nothing
+would read it. The episode's reward is the sum of its turns' rewards.
+
+Where things run: episodes advance in lockstep turns, one ``generate`` call per turn
+for every active episode of this engine replica. The environments live on the
+replica's first rank only (``share``): its results (plain JSON-able messages and
+numbers) are broadcast to the replica's other ranks, which then append the very same
+ids, so sandboxed tools run once and a tool's timing cannot make ranks disagree.
+
+The token-exact invariant is checked for every episode (``codec.check``); problems are
+counted in ``episode_info["token_mismatch"]`` (a metric) and never silently trained on
+in tests, which assert zero.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+from grpo_mega.envs.types import Environment, Message
+from grpo_mega.rollout.types import RolloutBatch, SamplingConfig
+
+__all__ = ["EpisodeLimits", "TurnCodec", "run_episodes", "TURN_SEED_STRIDE"]
+
+TURN_SEED_STRIDE = 1000
+"""Turn t of step s draws its seeds with the key ``s * TURN_SEED_STRIDE + t`` (so
+``max_turns`` must stay below it): every (step, turn, episode) has its own stream."""
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """When an episode stops, besides the environment's ``done``."""
+
+    max_turns: int = 4
+    """Assistant turns per episode."""
+    max_tokens: int = 512
+    """Tokens after the first prompt (the model's and the environment's together)."""
+    max_model_len: int = 1024
+    """The engine's context: first prompt + everything after it."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_turns < TURN_SEED_STRIDE:
+            raise ValueError(f"env max_turns={self.max_turns} must be in [1, {TURN_SEED_STRIDE})")
+        if self.max_tokens < 1:
+            raise ValueError(f"env max_tokens={self.max_tokens} must be >= 1")
+
+
+class TurnCodec(Protocol):
+    """What the driver needs of a chat format (``grpo_mega.data.chat`` provides it)."""
+
+    def first_ids(self, messages: list[Message], tools: list[dict]) -> list[int]:
+        """The first prompt: the messages rendered with the generation prompt."""
+        ...
+
+    def delta_ids(self, history: list[Message], new: list[Message], tools: list[dict]) -> list[int]:
+        """Ids to append after the model's last token: separators, ``new``, the next
+        generation prompt. ``history`` ends with the assistant message just parsed."""
+        ...
+
+    def parse(self, ids: list[int]) -> Message:
+        """The assistant message of one sampled turn (content, reasoning, tool calls)."""
+        ...
+
+    def check(self, prompt_ids: list[int], segments: list[tuple[str, list[int]]],
+              messages: list[Message], tools: list[dict]) -> list[str]:
+        """The token-exact invariant: problems found (empty: exact). ``segments`` are
+        ``("model", ids)`` and ``("env", ids)`` in order."""
+        ...
+
+
+@dataclass
+class _Episode:
+    """One episode's state while it runs (identical on every rank of the replica)."""
+
+    key: int                      # global sample index: prompt_index * G + j
+    prompt_index: int
+    prompt_ids: list[int]
+    messages: list[Message]
+    tools: list[dict]
+    ids: list[int] = field(default_factory=list)       # everything after the first prompt
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    segments: list[tuple[str, list[int]]] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    finish: Optional[str] = None  # None while running
+    text: str = ""                # the last assistant message's content
+
+    def add(self, kind: str, ids: list[int], logprobs: Optional[list[float]] = None) -> None:
+        self.ids += ids
+        self.mask += [1 if kind == "model" else 0] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.segments.append((kind, list(ids)))
+
+
+def _local_share(fn: Callable[[], Any]) -> Any:
+    return fn()
+
+
+def run_episodes(generate: Callable[..., RolloutBatch], codec: TurnCodec, make_env: Callable[[], Environment],
+                 rows: Sequence[dict], sampling: SamplingConfig, limits: EpisodeLimits, *, step: int,
+                 offset: int = 0, share: Callable[[Callable[[], Any]], Any] = _local_share,
+                 any_active: Optional[Callable[[bool], bool]] = None,
+                 dummy_ids: Optional[list[int]] = None) -> RolloutBatch:
+    """``sampling.n`` episodes for each of ``rows`` (prompt ``offset + i`` of the global
+    batch), group-major like single-turn batches.
+
+    generate(prompt_id_lists, sampling, step=, keys=, budgets=): the engine's replica-local
+        generate (one sample per prompt; ``keys`` the per-request seed indices, ``budgets``
+        their max_new_tokens). Called exactly once per turn (lockstep replicas rely on it).
+    make_env(): a fresh environment (called on the replica's first rank only).
+    share(fn): runs ``fn`` on the replica's first rank and returns its result on every
+        rank of the replica (plain data only).
+    any_active(flag): collective over the engine replicas that must call ``generate``
+        together (vLLM's data-parallel external launcher); None when each replica is free.
+        A replica with nothing left then samples ``dummy_ids`` for one token, discarded.
+    """
+    g = sampling.n
+    one = dataclasses.replace(sampling, n=1)
+    envs: dict[int, Environment] = {}
+
+    def reset_all() -> list[tuple[list[Message], list[dict]]]:
+        out = []
+        for i, row in enumerate(rows):
+            for j in range(g):
+                env = envs[(offset + i) * g + j] = make_env()
+                out.append((list(env.reset(row)), [t.schema() for t in env.tools]))
+        return out
+
+    try:
+        firsts = share(reset_all)
+        episodes = []
+        for k, (messages, tools) in enumerate(firsts):
+            i = k // g
+            episodes.append(_Episode(key=(offset + i) * g + k % g, prompt_index=offset + i,
+                                     prompt_ids=codec.first_ids(messages, tools), messages=messages,
+                                     tools=tools))
+        seconds, logprobs_mode = 0.0, "raw_logprobs"
+        for turn in range(limits.max_turns):
+            active = [e for e in episodes if e.finish is None]
+            if any_active is not None and not any_active(bool(active)):
+                break
+            if not active and any_active is None:
+                break
+            samples, seconds_turn, mode = _sample_turn(generate, one, limits, active, step, turn, dummy_ids)
+            seconds += seconds_turn
+            logprobs_mode = mode or logprobs_mode
+            _apply_turn(codec, active, samples, limits, turn, envs, share)
+        for e in episodes:
+            if e.finish is None:
+                e.finish = "turns"
+    finally:
+        for env in envs.values():
+            env.close()
+    return _to_batch(codec, episodes, g, seconds, logprobs_mode)
+
+
+def _sample_turn(generate, one: SamplingConfig, limits: EpisodeLimits, active: list[_Episode], step: int,
+                 turn: int, dummy_ids: Optional[list[int]]) -> tuple[dict, float, Optional[str]]:
+    """One generate call for every active episode whose next turn fits its budgets (the
+    others end, finish "length"); a replica with none samples a discarded dummy token."""
+    runnable = []
+    for e in active:
+        room = min(limits.max_tokens - len(e.ids), limits.max_model_len - len(e.prompt_ids) - len(e.ids))
+        if room < 1:
+            e.finish = "length"
+        else:
+            runnable.append((e, min(room, one.max_new_tokens)))
+    if not runnable:
+        if dummy_ids:
+            generate([dummy_ids], one, step=step, keys=[0], budgets=[1])
+        return {}, 0.0, None
+    out = generate([e.prompt_ids + e.ids for e, _ in runnable], one, step=step * TURN_SEED_STRIDE + turn,
+                   keys=[e.key for e, _ in runnable], budgets=[b for _, b in runnable])
+    samples = {e.key: (list(out.response_ids[i]), list(out.logprobs[i]), out.finish_reasons[i])
+               for i, (e, _) in enumerate(runnable)}
+    seconds, mode = out.seconds, out.logprobs_mode
+    return samples, seconds, mode
+
+
+def _apply_turn(codec: TurnCodec, active: list[_Episode], samples: dict, limits: EpisodeLimits, turn: int,
+                envs: dict[int, Environment], share) -> None:
+    """Append each sampled turn, let the environments answer (on the replica's first rank),
+    and append their replies' ids where the episode goes on."""
+    sampled = [e for e in active if e.key in samples]
+    for e in sampled:
+        ids, lps, finish = samples[e.key]
+        e.add("model", ids, lps)
+        e.turns += 1
+        msg = codec.parse(ids)
+        e.messages.append(msg)
+        e.text = str(msg.get("content") or "")
+        e.tool_calls += len(msg.get("tool_calls") or [])
+        if finish == "length":
+            e.finish = "length"  # a cut turn is not an answer nor a call: not shown to the env
+    answered = [e for e in sampled if e.finish is None]
+    if not answered:
+        return
+
+    def step_all() -> list[dict]:
+        results = []
+        for e in answered:
+            r = envs[e.key].step(e.messages[-1])
+            results.append({"messages": list(r.messages), "reward": float(r.reward), "done": bool(r.done),
+                            "tool_errors": int((r.info or {}).get("tool_errors", 0))})
+        return results
+
+    for e, r in zip(answered, share(step_all)):
+        e.reward += r["reward"]
+        e.tool_errors += r["tool_errors"]
+        if r["done"]:
+            e.finish = "stop"
+        elif turn + 1 >= limits.max_turns:
+            e.finish = "turns"
+        else:
+            delta = codec.delta_ids(e.messages, r["messages"], e.tools)
+            if len(e.ids) + len(delta) >= min(limits.max_tokens, limits.max_model_len - len(e.prompt_ids)):
+                e.finish = "length"  # no room left for the model to answer the reply
+            else:
+                e.messages.extend(r["messages"])
+                e.add("env", delta)
+
+
+def _to_batch(codec: TurnCodec, episodes: list[_Episode], g: int, seconds: float,
+              logprobs_mode: str) -> RolloutBatch:
+    batch = RolloutBatch(prompt_ids=[], response_ids=[], logprobs=[], finish_reasons=[], prompt_index=[],
+                         group_size=g, logprobs_mode=logprobs_mode, seconds=seconds)
+    for e in episodes:
+        problems = codec.check(e.prompt_ids, e.segments, e.messages, e.tools)
+        batch.prompt_ids.append(e.prompt_ids)
+        batch.response_ids.append(e.ids)
+        batch.logprobs.append(e.logprobs)
+        batch.response_mask.append(e.mask)
+        batch.finish_reasons.append(e.finish or "turns")
+        batch.stop_reasons.append(None)
+        batch.prompt_index.append(e.prompt_index)
+        batch.texts.append(e.text)
+        batch.episode_rewards.append(e.reward)
+        batch.episode_info.append({"turns": e.turns, "tool_calls": e.tool_calls, "tool_errors": e.tool_errors,
+                                   "env_tokens": len(e.mask) - sum(e.mask),
+                                   "token_mismatch": len(problems), "problems": problems[:3]})
+    return batch
+
+
+def generate_episodes(engine, global_rows: Sequence[dict], codec: TurnCodec, make_env: Callable[[], Environment],
+                      sampling: SamplingConfig, limits: EpisodeLimits, *, step: int, to_rank: int = 0,
+                      to_size: int = 1, share: Callable[[Callable[[], Any]], Any] = _local_share,
+                      any_active: Optional[Callable[[bool], bool]] = None) -> RolloutBatch:
+    """The episodes of slice ``to_rank`` of ``to_size`` of the global rows (a trainer DP
+    replica's share), whatever the engine layout: like ``RolloutEngine.generate_resharded``,
+    each engine replica plays its own slice of the rows, and the episodes are gathered and
+    cut anew. Collective over the world. ``share``/``any_active``: see :func:`run_episodes`
+    (the trainer passes collectives over the engine replica and over the world)."""
+    from grpo_mega.data import shard_for_replica
+    from grpo_mega.rollout.engine import _dist_world
+    from grpo_mega.rollout.layout import gather_global, prompt_slice
+
+    if len(global_rows) % engine.dp_size:
+        raise ValueError(f"global batch of {len(global_rows)} prompts does not split over {engine.dp_size} "
+                         "engine replicas; make data.prompts_per_step a multiple of the engine dp size")
+    mine = shard_for_replica(list(global_rows), engine.dp_rank, engine.dp_size)
+    offset = engine.dp_rank * (len(global_rows) // engine.dp_size)
+
+    def generate(prompts, s, *, step, keys, budgets):
+        return engine.generate(prompts, s, step=step, keys=keys, budgets=budgets)
+
+    engine.calls.append("episodes")
+    lockstep = any_active if engine.mode == "external_launcher" and engine.dp_size > 1 else None
+    dummy = codec.first_ids([{"role": "user", "content": "hi"}], []) if lockstep else None
+    batch = run_episodes(generate, codec, make_env, mine, sampling, limits, step=step, offset=offset,
+                         share=share, any_active=lockstep, dummy_ids=dummy)
+    rank, world = _dist_world()
+    if world == 1:
+        return prompt_slice(batch, len(global_rows), to_rank, to_size)
+    everything = gather_global(batch, contributes=rank == engine._replica_ranks[0])
+    return prompt_slice(everything, len(global_rows), to_rank, to_size)

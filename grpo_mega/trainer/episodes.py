@@ -1,0 +1,80 @@
+"""The trainer's side of multi-turn episodes (``env.name`` set).
+
+The rollout stage plays episodes instead of single responses
+(``grpo_mega.rollout.multi_turn``); this module builds what that needs from the config
+(the chat codec, the environment factory), supplies the two collectives the driver
+asks for (environments run on each engine replica's first rank; replicas of a
+data-parallel vLLM engine take their turns together), and turns the episodes' facts
+into the step's metrics. The reward of an episode is its environment's, so the reward
+stage reads ``RolloutBatch.episode_rewards`` instead of scoring texts.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from grpo_mega.distributed.errors import run_on_src
+from grpo_mega.rollout.multi_turn import EpisodeLimits, generate_episodes
+
+__all__ = ["EpisodeSetup", "build_episodes", "play", "episode_stats"]
+
+
+class EpisodeSetup:
+    """Everything the rollout stage needs to play episodes, built once at start-up."""
+
+    def __init__(self, codec, make_env: Callable[[], Any], limits: EpisodeLimits):
+        self.codec, self.make_env, self.limits = codec, make_env, limits
+
+
+def build_episodes(cfg, tokenizer) -> Optional[EpisodeSetup]:
+    """None for single-turn runs (``env.name`` unset)."""
+    if not cfg.env.name:
+        return None
+    from grpo_mega.data.chat import TokenCodec
+    from grpo_mega.envs import make_env
+
+    codec = TokenCodec.for_tokenizer(tokenizer, cfg.env.chat_format)
+    make_env(cfg.env.name, cfg.env.kwargs).close()  # a bad name or kwarg fails at start-up, on every rank
+    limits = EpisodeLimits(max_turns=cfg.env.max_turns, max_tokens=cfg.env.max_tokens,
+                           max_model_len=cfg.rollout.max_model_len)
+    return EpisodeSetup(codec, lambda: make_env(cfg.env.name, cfg.env.kwargs), limits)
+
+
+def play(t, prompts: list, step: int, sampling=None) -> Any:
+    """This DP replica's share of the step's episodes (a ``RolloutBatch``); ``t`` is the
+    ``Trainer`` (not imported: ``trainer.py`` imports this module)."""
+    engine, setup = t.engine, t.episodes
+    rows = [{"messages": [dict(m) for m in p.messages], "prompt": p.text, "answer": p.reference,
+             "uid": p.uid, **dict(p.metadata)} for p in prompts]
+    leader = engine._replica_ranks[0]
+    group = engine.replica_group if len(engine._replica_ranks) > 1 else None
+
+    def share(fn):
+        return run_on_src(fn, leader, group, "environment step")
+
+    def any_active(flag: bool) -> bool:
+        v = torch.tensor([int(flag)], dtype=torch.int64, device=t.ps.device)  # NCCL: device tensors
+        dist.all_reduce(v, op=dist.ReduceOp.MAX)
+        return bool(v.item())
+
+    t.engine.resume()
+    return generate_episodes(engine, rows, setup.codec, setup.make_env, sampling or engine.sampling,
+                             setup.limits, step=step, to_rank=t.ps.dp_rank, to_size=t.ps.dp,
+                             share=share, any_active=any_active)
+
+
+def episode_stats(batch) -> list[float]:
+    """Sums over this replica's episodes, in the order of ``EPISODE_KEYS`` (the reward
+    stage adds them over DP and divides by the number of samples)."""
+    info = batch.episode_info
+    return [float(sum(i["turns"] for i in info)), float(sum(i["tool_calls"] for i in info)),
+            float(sum(i["tool_errors"] for i in info)), float(sum(i["token_mismatch"] for i in info)),
+            float(sum(i["env_tokens"] for i in info))]
+
+
+EPISODE_KEYS = ("episode_turns", "episode_tool_calls", "episode_tool_errors", "token_mismatch",
+                "episode_env_tokens")
+"""Metric names of ``episode_stats``: per-episode means (``token_mismatch`` is the number
+of token-exact problems found per episode: 0 by construction; anything else is a bug)."""
