@@ -1,0 +1,327 @@
+"""The gateway without HTTP: episodes, the chat call, rewards, and the trainer's batch.
+
+:class:`Gateway` is what the HTTP layer (``gateway.http``) calls and what a trainer holds:
+``open_episode`` / ``chat`` / ``set_reward`` / ``finish`` / ``collect``. Each chat call is
+served under its episode's lock (an episode is one conversation; its calls are ordered),
+generation goes through the one engine thread (``gateway.batcher``), and the record is
+updated only after the engine answered (a failed call leaves the episode as it was).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import re
+import secrets
+import string
+import threading
+import time
+import uuid
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable, Optional, Sequence
+
+from grpo_mega.envs.types import Message
+from grpo_mega.gateway.batcher import Batcher, Job, Sampled
+from grpo_mega.gateway.config import GatewayConfig
+from grpo_mega.gateway.episode import Episode, Rewrite
+from grpo_mega.gateway.openai_api import (
+    ChatRequest, GatewayError, completion_response, normalize_message, parse_chat_request,
+)
+from grpo_mega.rollout.multi_turn import TurnCodec
+from grpo_mega.rollout.types import RolloutBatch, SamplingConfig
+
+__all__ = ["Gateway", "EPISODE_ID"]
+
+log = logging.getLogger(__name__)
+
+EPISODE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+"""Episode ids (they sit in URLs)."""
+_KEY_STRIDE = 1 << 20
+"""Call k of the episode opened n-th draws its seed with key ``n * _KEY_STRIDE + k``."""
+_ALNUM = string.ascii_letters + string.digits
+_REMEMBER = 100_000
+"""Collected episode ids remembered, so that a late call to one is refused rather than
+opening a new episode nobody will collect."""
+
+
+def _call_id() -> str:
+    # 9 letters and digits: the one form every template accepts (Mistral's requires it).
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+
+class Gateway:
+    """Records token-exact episodes of agents calling an OpenAI-style chat API.
+
+    Args:
+        generate: ``generate(prompt_id_lists, sampling, step=, keys=, budgets=) -> RolloutBatch``,
+            e.g. ``RolloutEngine.generate`` of an in-process or child-mode engine of one rank.
+            The gateway calls it from one thread of its own; nothing else may use the engine
+            while episodes run (sync weights between rounds).
+        codec: the chat format (``TurnCodec``: ``first_ids``, ``delta_ids``, ``parse``, ``check``).
+        sampling: defaults for what a request leaves out (its ``n`` is ignored: one choice per
+            call). Its ``stop_token_ids`` must hold the chat format's end-of-turn ids (e.g.
+            ``<|im_end|>``), so that a reply ends where its turn ends.
+        config: :class:`GatewayConfig`.
+    """
+
+    def __init__(self, generate: Callable[..., RolloutBatch], codec: TurnCodec,
+                 sampling: Optional[SamplingConfig] = None, config: Optional[GatewayConfig] = None):
+        self.codec = codec
+        self.sampling = dataclasses.replace(sampling or SamplingConfig(), n=1)
+        self.config = config or GatewayConfig()
+        self.batcher = Batcher(generate, max_batch=self.config.max_batch, wait_s=self.config.batch_wait_s)
+        self.step = 0
+        """Feeds the seeds of calls that bring none (set it to the training step before a round)."""
+        self.created = int(time.time())
+        self._episodes: dict[str, Episode] = {}
+        self._collected: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._serial = 0
+        self._lock = threading.Condition()
+
+    # -- episodes ------------------------------------------------------------
+    def open_episode(self, episode_id: Optional[str] = None, *, prompt_index: Optional[int] = None,
+                     metadata: Optional[dict] = None) -> str:
+        """Open an episode (a fresh id unless one is given); returns its id. ``prompt_index``:
+        the prompt it plays (``collect`` groups by it); ``metadata``: JSON-able, kept in
+        ``episode_info``."""
+        if episode_id is None:
+            episode_id = uuid.uuid4().hex
+        if not isinstance(episode_id, str) or not EPISODE_ID.match(episode_id):
+            raise GatewayError(400, f"episode id {episode_id!r} must be 1-128 letters, digits, '_', '.' or '-'",
+                               param="id")
+        if prompt_index is not None and (isinstance(prompt_index, bool) or not isinstance(prompt_index, int)
+                                         or prompt_index < 0):
+            raise GatewayError(400, f"prompt_index={prompt_index!r} must be an integer >= 0", param="prompt_index")
+        with self._lock:
+            if episode_id in self._episodes:
+                raise GatewayError(409, f"episode {episode_id!r} is already open", param="id",
+                                   code="episode_exists")
+            if episode_id in self._collected:
+                raise GatewayError(409, f"episode {episode_id!r} was collected for training; open a new one",
+                                   param="id", code="episode_collected")
+            self._episodes[episode_id] = Episode(episode_id, self._serial, prompt_index, metadata)
+            self._serial += 1
+        return episode_id
+
+    def episode(self, episode_id: str, *, create: bool = False) -> Episode:
+        with self._lock:
+            ep = self._episodes.get(episode_id)
+        if ep is None and create and self.config.auto_open:
+            try:
+                self.open_episode(episode_id)
+            except GatewayError as e:
+                if e.code != "episode_exists":  # another thread opened it meanwhile
+                    raise
+            return self.episode(episode_id)
+        if ep is None:
+            raise GatewayError(404, f"no open episode {episode_id!r} (open it with POST /episodes or "
+                               "Gateway.open_episode; collected episodes are gone)", code="episode_not_found")
+        return ep
+
+    def set_reward(self, episode_id: str, reward: Any) -> None:
+        """The episode's reward (a later report replaces an earlier one)."""
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward \
+                or reward in (float("inf"), float("-inf")):
+            raise GatewayError(400, f"reward={reward!r} must be a finite number", param="reward")
+        ep = self.episode(episode_id)
+        with ep.lock:
+            ep.reward = float(reward)
+
+    def finish(self, episode_id: str, reward: Any = None) -> None:
+        """Close the episode (later chat calls get 409); optionally report its reward."""
+        if reward is not None:
+            self.set_reward(episode_id, reward)
+        ep = self.episode(episode_id)
+        with ep.lock:
+            ep.finished = True
+        with self._lock:
+            self._lock.notify_all()
+
+    def discard(self, episode_id: str) -> None:
+        """Forget an episode (an agent that crashed before its first call)."""
+        with self._lock:
+            self._episodes.pop(episode_id, None)
+
+    def wait(self, episode_ids: Sequence[str], timeout: Optional[float] = None) -> bool:
+        """Block until every episode is finished (``POST /episodes/<id>/finish``); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                pending = [i for i in episode_ids if i in self._episodes and not self._episodes[i].finished]
+                if not pending:
+                    return True
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._lock.wait(left)
+
+    # -- the chat call -------------------------------------------------------
+    def chat(self, episode_id: str, body: Any) -> dict:
+        """Serve one ``/chat/completions`` body for the episode; returns the response object.
+        Raises :class:`GatewayError` for anything it refuses or fails."""
+        req = parse_chat_request(body)
+        ep = self.episode(episode_id, create=True)
+        with ep.lock:
+            if ep.finished:
+                raise GatewayError(409, f"episode {episode_id!r} is finished; open a new one",
+                                   code="episode_finished")
+            try:
+                plan = ep.plan(self.codec, req.messages, req.tools)
+            except Rewrite as why:
+                if self.config.on_rewrite != "restart":
+                    raise GatewayError(409, f"history rewritten in episode {episode_id!r}: {why} "
+                                       "(or start the episode again with GatewayConfig.on_rewrite='restart')",
+                                       param="messages", code="history_rewritten") from None
+                plan = ep.plan_restart(self.codec, req.messages, req.tools)
+            prompt = plan.engine_prompt(ep)
+            sampling, step, key, overridden = self._sampling(req, ep)
+            budget = self._budget(req, len(prompt))
+            ep.attempts += 1
+            got = self._generate(Job(prompt, sampling, step, key, budget))
+            parsed, shown = self._reply(got, req)
+            closed = got.finish == "stop" and not isinstance(got.stop_reason, str)
+            ep.commit(plan, got.ids, got.logprobs, parsed, shown, closed)
+            ep.sampling_overridden += overridden
+            used = [sampling.temperature, sampling.top_p, sampling.top_k]
+            if used not in ep.sampling_used:
+                ep.sampling_used.append(used)
+            ep.logprobs_mode, ep.seconds = got.logprobs_mode, ep.seconds + got.seconds
+        finish = ("length" if got.finish == "length" else
+                  "tool_calls" if shown.get("tool_calls") else "stop")
+        return completion_response(self.config.model_name, shown, finish, len(prompt), len(got.ids))
+
+    def _sampling(self, req: ChatRequest, ep: Episode) -> tuple[SamplingConfig, int, int, int]:
+        base = self.sampling
+        asked = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed}
+        asked = {k: v for k, v in asked.items() if v is not None}
+        overridden = 0
+        if not self.config.use_request_sampling:
+            overridden = int(any(getattr(base, k) != v for k, v in asked.items()))
+            asked = {}
+        s = dataclasses.replace(base, **asked, stop=tuple(base.stop) + tuple(req.stop))
+        if "seed" in asked:  # OpenAI's meaning: the same seed and messages give the same reply
+            return s, 0, 0, overridden
+        return s, self.step, ep.serial * _KEY_STRIDE + ep.attempts, overridden
+
+    def _budget(self, req: ChatRequest, prompt_len: int) -> int:
+        budget = req.max_tokens or self.sampling.max_new_tokens
+        limit = self.config.max_model_len
+        if limit is not None:
+            room = limit - prompt_len
+            if room < 1:
+                raise GatewayError(400, f"the conversation is {prompt_len} tokens, which leaves no room in the "
+                                   f"engine's context of {limit} (GatewayConfig.max_model_len)",
+                                   param="messages", code="context_length_exceeded")
+            budget = min(budget, room)
+        return budget
+
+    def _generate(self, job: Job) -> Sampled:
+        future = self.batcher.submit(job)
+        try:
+            return future.result(timeout=self.config.request_timeout_s)
+        except FutureTimeout:
+            raise GatewayError(504, f"the engine did not answer within {self.config.request_timeout_s} s "
+                               "(GatewayConfig.request_timeout_s)", code="engine_timeout") from None
+        except ValueError as e:  # the engine refuses the request as asked (length, sampling mode)
+            raise GatewayError(400, f"the engine refused the call: {e}", code="engine_refused") from None
+        except Exception as e:  # noqa: BLE001 - reported to the caller, logged here
+            log.exception("gateway: generate failed")
+            raise GatewayError(500, f"the engine failed: {type(e).__name__}: {e}", code="engine_error") from None
+
+    def _reply(self, got: Sampled, req: ChatRequest) -> tuple[Message, Message]:
+        """The reply as the chat format renders it (``parsed``) and as the agent sees it
+        (``shown``, normalised like a message the agent sends back)."""
+        try:
+            parsed = dict(self.codec.parse(list(got.ids)))
+        except Exception as e:  # noqa: BLE001 - a chat-format bug must not kill the server
+            log.exception("gateway: the chat format could not parse a reply")
+            raise GatewayError(500, f"the chat format could not parse the reply: {type(e).__name__}: {e}",
+                               code="parse_error") from None
+        parsed["role"] = "assistant"
+        calls = []
+        for c in parsed.get("tool_calls") or []:
+            fn = c.get("function", c)
+            calls.append({"id": c.get("id") or _call_id(), "type": "function",
+                          "function": {"name": fn["name"], "arguments": fn.get("arguments", {})}})
+        if calls:
+            parsed["tool_calls"] = calls
+        if req.tool_choice == "none":
+            # Like vLLM: the reply is not parsed for tool calls; the agent gets its whole text.
+            shown: Message = {"role": "assistant", "content": got.text or str(parsed.get("content") or "")}
+        else:
+            shown = {"role": "assistant", "content": str(parsed.get("content") or "")}
+            if calls:
+                shown["tool_calls"] = calls
+            if parsed.get("reasoning_content"):
+                shown["reasoning_content"] = parsed["reasoning_content"]
+        return parsed, normalize_message(shown)
+
+    # -- the trainer's side --------------------------------------------------
+    def collect(self, episode_ids: Sequence[str], group_size: int = 1,
+                default_reward: Optional[float] = None) -> RolloutBatch:
+        """The episodes as one ``RolloutBatch``, in the order given (group-major: the
+        ``group_size`` episodes of prompt 0, then of prompt 1, ...), finished and removed from
+        the gateway. ``prompt_index``: each episode's own, else its position // group_size.
+        ``default_reward``: the reward of episodes that reported none (None: that is an error)."""
+        ids = list(episode_ids)
+        if group_size < 1 or len(ids) % group_size:
+            raise ValueError(f"{len(ids)} episodes do not split into groups of group_size={group_size}")
+        if len(set(ids)) != len(ids):
+            raise ValueError("collect: an episode id is listed twice")
+        eps = [self.episode(i) for i in ids]
+        batch = RolloutBatch(prompt_ids=[], response_ids=[], logprobs=[], finish_reasons=[], prompt_index=[],
+                             group_size=group_size)
+        modes, problems = set(), []
+        for k, ep in enumerate(eps):
+            with ep.lock:  # waits for a call still running
+                ep.finished = True
+                if not ep.prompt_ids:
+                    problems.append(f"{ep.id}: no chat call (discard it, or let its agent run)")
+                    continue
+                if ep.reward is None and default_reward is None:
+                    problems.append(f"{ep.id}: no reward reported (POST /episodes/{ep.id}/reward, "
+                                    "or pass default_reward)")
+                    continue
+                row = ep.sample(self.codec)
+                modes.add(ep.logprobs_mode)
+                index = ep.prompt_index if ep.prompt_index is not None else k // group_size
+            batch.prompt_ids.append(row["prompt_ids"])
+            batch.response_ids.append(row["response_ids"])
+            batch.logprobs.append(row["logprobs"])
+            batch.response_mask.append(row["response_mask"])
+            batch.finish_reasons.append(row["finish_reason"])
+            batch.stop_reasons.append(None)
+            batch.prompt_index.append(index)
+            batch.texts.append(row["text"])
+            batch.episode_rewards.append(ep.reward if ep.reward is not None else float(default_reward))
+            batch.episode_info.append(row["info"])
+            batch.seconds += ep.seconds
+        if problems:
+            raise ValueError("collect: " + "; ".join(problems))
+        for g in range(0, len(ids), group_size):
+            if len(set(batch.prompt_index[g:g + group_size])) != 1:
+                raise ValueError(f"collect: episodes {ids[g:g + group_size]} form one group but play prompts "
+                                 f"{batch.prompt_index[g:g + group_size]}; list them group-major")
+        if len(modes) > 1:
+            raise ValueError(f"collect: the episodes' log-probs come from different modes {sorted(modes)}")
+        batch.logprobs_mode = modes.pop() if modes else batch.logprobs_mode
+        with self._lock:
+            for i in ids:
+                self._episodes.pop(i, None)
+                self._collected[i] = None
+            while len(self._collected) > _REMEMBER:
+                self._collected.popitem(last=False)
+            self._lock.notify_all()
+        return batch
+
+    def close(self) -> None:
+        """Stop the engine thread (the HTTP server is closed by its own ``close``)."""
+        self.batcher.close()
+
+    def serve(self, host: Optional[str] = None, port: Optional[int] = None):
+        """Start the HTTP server on a thread (``config.host``/``port`` unless given); returns
+        the :class:`~grpo_mega.gateway.http.GatewayServer` (a context manager)."""
+        from grpo_mega.gateway.http import GatewayServer
+
+        return GatewayServer(self, self.config.host if host is None else host,
+                             self.config.port if port is None else port)
