@@ -51,6 +51,28 @@ assistant turn ends with eos. There is no generation prompt."""
 CALL = re.compile(r"^\[([0-9*]{1,16})\]$")
 
 
+def parse_turn(text: str) -> dict:
+    """A sampled turn (end-of-turn token stripped) -> an assistant message: ``[expr]`` is a
+    ``calculator`` call, anything else the answer."""
+    m = CALL.match(text)
+    if m is None:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0", "type": "function",
+         "function": {"name": "calculator", "arguments": {"expression": m.group(1)}}}]}
+
+
+def _demo_format():
+    from grpo_mega.data.chat import ChatFormat
+
+    return ChatFormat(name="demo_tools", eot_token="</s>", markers=("m.tool_calls[0].function.arguments.expression",),
+                      parse=parse_turn)
+
+
+DEMO_FORMAT = _demo_format()
+"""The demo's chat format (``env.chat_format: grpo_mega.demo.tools:DEMO_FORMAT``)."""
+
+
 def problems(seed: int = 0) -> tuple[list[dict], list[dict]]:
     """(train, held-out) rows ``{"prompt": "a*b=", "answer": str(a*b)}`` for a, b in 10..99."""
     rows = [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a in range(10, 100) for b in range(10, 100)]
