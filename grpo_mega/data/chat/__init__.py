@@ -50,8 +50,10 @@ What ``check_trajectory`` compares (cheap: a few template renders per episode):
 * (c) text: the decoded trajectory (special tokens kept; without a final generated segment)
   equals the template's rendering of the real conversation up to the next generation
   prompt, in which each assistant message is rendered as a placeholder and the placeholder
-  is then replaced by the decoded ids that turn sampled (its end-of-turn token excluded, as
-  the template writes that itself). So everything the template writes outside the model's
+  is then replaced by what the model saw and sampled after the turn's header: the rest of
+  the generation prompt (empty, but Qwen3's ``enable_thinking=False`` adds an empty think
+  block) and the decoded ids that turn sampled (its end-of-turn token excluded, as the
+  template writes that itself). So everything the template writes outside the model's
   own tokens (headers, separators, tool-result wrappers and their merging, generation
   prompts) must occur exactly once and in order, rendered with the real history rather
   than the dummy one (b) uses; a dropped or doubled separator at any boundary fails (c)

@@ -74,7 +74,10 @@ def turn_delta_text(tokenizer: Any, new_messages: Sequence[Message], tools: Sequ
     """
     hf, fmt = hf_tokenizer(tokenizer), resolve_chat_format(tokenizer, fmt)
     schemas = _schemas(tools)
-    prefix = _render(hf, [_DUMMY_USER], schemas, True, template_kwargs)
+    # The history before the assistant turn; not its generation prompt, which may hold more
+    # than the header the template writes for a finished turn (Qwen3's enable_thinking=False
+    # adds an empty think block).
+    prefix = _render(hf, [_DUMMY_USER], schemas, False, template_kwargs)
     full = _render(hf, [_DUMMY_USER, _DUMMY_ASSISTANT, *new_messages], schemas, True, template_kwargs)
     if not full.startswith(prefix):
         at = next((i for i, (a, b) in enumerate(zip(prefix, full)) if a != b), min(len(prefix), len(full)))
@@ -165,7 +168,8 @@ def check_trajectory(tokenizer: Any, segments: Sequence[Sequence[int]], messages
 
     ``segments``: ``[first prompt, generated 1, appended 1, generated 2, ...]`` as recorded
     from the engine's outputs and the appended deltas (it may end with either kind).
-    ``messages``: the episode's conversation: the first messages, then per turn the parsed
+    ``messages``: the episode's conversation: the first messages (no assistant message among
+    them: a few-shot prompt would misalign the turns), then per turn the parsed
     assistant message and the environment's messages (those after the last assistant
     message count only if an appended segment follows it). ``token_ids``/``loss_mask``: the
     trainer's sequence and mask, when given, must be the segments' concatenation and 1
@@ -228,14 +232,16 @@ def _check_text(hf: Any, fmt: ChatFormat, segs: list[list[int]], messages: Seque
               else m) for j, m in zip(_counter(covered), covered)]
     rendered = _render(hf, shown, schemas, True, template_kwargs)
     parts = _PLACEHOLDER_RE.split(rendered)
-    if [int(p) for p in parts[1::2]] != list(range(n)):
+    extra = _prompt_beyond_header(hf, schemas, template_kwargs)
+    if [int(p) for p in parts[1::2]] != list(range(n)) or extra is None:
         return [f"(c) not checked: the template does not render each assistant turn's content once, "
-                f"in order (placeholders seen: {parts[1::2]})"]
+                f"in order, after a header its generation prompt starts with (placeholders seen: "
+                f"{parts[1::2]})"]
     eot = fmt.eot_id(hf)
     for j in range(n):
         gen = segs[2 * j + 1]
-        parts[2 * j + 1] = hf.decode(gen[:-1] if gen and gen[-1] == eot else gen, skip_special_tokens=False,
-                                     clean_up_tokenization_spaces=False)
+        parts[2 * j + 1] = extra + hf.decode(gen[:-1] if gen and gen[-1] == eot else gen,
+                                             skip_special_tokens=False, clean_up_tokenization_spaces=False)
     want = "".join(parts)
     ids = [t for s in (segs[:-1] if ends_with_gen else segs) for t in s]
     got = hf.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -244,6 +250,25 @@ def _check_text(hf: Any, fmt: ChatFormat, segs: list[list[int]], messages: Seque
     i = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     return [f"(c) the decoded trajectory differs from the template's rendering of the conversation "
             f"at character {i}: got {got[max(0, i - 20):i + 40]!r}, expected {want[max(0, i - 20):i + 40]!r}"]
+
+
+def _prompt_beyond_header(hf: Any, schemas: list[dict] | None,
+                          template_kwargs: Mapping[str, Any] | None) -> str | None:
+    """What the generation prompt holds beyond the header the template writes before a
+    finished assistant turn's content ("" mostly; Qwen3 with enable_thinking=False: an empty
+    think block the model saw as prompt). None if the prompt does not start with the header."""
+    history = _render(hf, [_DUMMY_USER], schemas, False, template_kwargs)
+    prompt = _render(hf, [_DUMMY_USER], schemas, True, template_kwargs)
+    mark = _PLACEHOLDER.format(0)
+    # A user turn after the assistant's, so that no template treats it as the last turn.
+    turn = _render(hf, [_DUMMY_USER, {"role": "assistant", "content": mark}, _DUMMY_USER], schemas, False,
+                   template_kwargs)
+    at = turn.find(mark, len(history))
+    header = turn[len(history):at]
+    if not (prompt.startswith(history) and turn.startswith(history) and at >= 0
+            and prompt[len(history):].startswith(header)):
+        return None
+    return prompt[len(history) + len(header):]
 
 
 def _counter(messages: Sequence[Message]) -> list[int]:

@@ -19,13 +19,13 @@ def call(i, name, args, call_id=None):
     return {"id": call_id or f"call_{i}", "type": "function", "function": {"name": name, "arguments": args}}
 
 
-def sampled_text(tok, messages, assistant, tools=None):
+def sampled_text(tok, messages, assistant, tools=None, template_kwargs=None):
     """What a model trained on the template generates for ``assistant``: the template's
     rendering of it as the last message, after the generation prompt, without the
     end-of-turn token."""
-    hf, fmt = tok.hf, detect_chat_format(tok)
-    prompt = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-    full = hf.apply_chat_template(messages + [assistant], tools=tools, tokenize=False)
+    hf, fmt, kw = tok.hf, detect_chat_format(tok), template_kwargs or {}
+    prompt = hf.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True, **kw)
+    full = hf.apply_chat_template(messages + [assistant], tools=tools, tokenize=False, **kw)
     assert full.startswith(prompt)
     body = full[len(prompt):]
     return body[:body.rindex(fmt.eot_token)]

@@ -48,20 +48,20 @@ def script(family):
     return turns
 
 
-def build_episode(tok, family, generate=None):
+def build_episode(tok, family, generate=None, template_kwargs=None, turns=None):
     """What the rollout driver does: the first prompt, then per turn the sampled ids (by
     default the canonical encoding of what the template renders for the scripted turn, plus
     the end-of-turn token) and ``turn_delta_ids`` for the environment's answer."""
     fmt, hf = detect_chat_format(tok), tok.hf
     messages = [dict(m) for m in FIRST]
-    segments = [render_ids(tok, messages, TOOLS)]
-    for k, (assistant, env) in enumerate(script(family)):
-        text = sampled_text(tok, messages, assistant, TOOLS)
+    segments = [render_ids(tok, messages, TOOLS, template_kwargs=template_kwargs)]
+    for k, (assistant, env) in enumerate(turns or script(family)):
+        text = sampled_text(tok, messages, assistant, TOOLS, template_kwargs)
         gen = (generate or (lambda k, t: hf.encode(t, add_special_tokens=False)))(k, text) + [fmt.eot_id(tok)]
         messages.append(parse_assistant(tok, text))
         segments.append(gen)
         if env:
-            segments.append(turn_delta_ids(tok, messages, env, TOOLS))
+            segments.append(turn_delta_ids(tok, messages, env, TOOLS, template_kwargs=template_kwargs))
             messages += env
     return segments, messages
 
@@ -108,6 +108,20 @@ def test_multi_turn_check_trajectory_accepts_an_exact_episode(chat_tokenizers, e
     mask = [int(k % 2 == 1) for k, s in enumerate(segments) for _ in s]
     assert check_trajectory(chat_tokenizers[family], segments, messages, TOOLS, token_ids=flat(segments),
                             loss_mask=mask, truncated=[False] * 4) == []
+
+
+def test_multi_turn_qwen3_without_thinking_is_exact(chat_tokenizers):
+    """Qwen3 with enable_thinking=False: the generation prompt ends with an empty think
+    block that the template does not write when it re-renders a finished turn. The delta's
+    history check and check (c) must treat it as prompt the model saw (not as a re-rendered
+    history, a false alarm), and a check run without the rollout's template_kwargs must not
+    pass silently."""
+    tok, kw = chat_tokenizers["qwen3"], {"enable_thinking": False}
+    turns = [(dict(a, reasoning_content=""), env) for a, env in script("qwen3")]
+    segments, messages = build_episode(tok, "qwen3", template_kwargs=kw, turns=turns)
+    assert decode(tok, flat(segments)).count("<think>\n\n</think>\n\n") == 4  # one per generation prompt
+    assert check_trajectory(tok, segments, messages, TOOLS, template_kwargs=kw, token_ids=flat(segments)) == []
+    assert "(c)" in problems_of(tok, segments, messages)
 
 
 def corrupt(episodes, family, k, change):
