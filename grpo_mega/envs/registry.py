@@ -75,13 +75,17 @@ def check_env_kwargs(factory: EnvFactory, kwargs: Mapping[str, Any]) -> str | No
 def make_env(name: str, kwargs: Mapping[str, Any] | None = None) -> Environment:
     """Build the environment ``name`` (see :func:`resolve_env`) from config ``kwargs``.
     A kwarg the factory does not take, or a missing required one, is a ``TypeError``
-    naming it and the environment; so is a result that is not an Environment."""
+    naming it and the environment; so is a result that is not an Environment. The
+    factory's own ``TypeError``/``ValueError`` (a bad value) gets the name prefixed."""
     kwargs = dict(kwargs or {})
     factory = resolve_env(name)
     problem = check_env_kwargs(factory, kwargs)
     if problem:
         raise TypeError(f"environment {name!r}: {problem} (fix the environment's kwargs in the config)")
-    env = factory(**kwargs)
+    try:
+        env = factory(**kwargs)
+    except (TypeError, ValueError) as e:  # a kwarg's value the factory refuses (it names the kwarg)
+        raise type(e)(f"environment {name!r}: {e}") from e
     if not isinstance(env, Environment):
         raise TypeError(f"environment {name!r}: {factory!r} returned {type(env).__name__}, which lacks "
                         "the Environment protocol (tools, reset, step, close)")

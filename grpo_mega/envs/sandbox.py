@@ -4,23 +4,26 @@
 itself before it runs the code: namespaces, Landlock, rlimits; its docstring has the
 order and the reasons), gives it the code on stdin and reads its stdout and stderr, and
 returns a :class:`SandboxResult`, whose :meth:`~SandboxResult.text` is what the model
-reads. Nothing the code does raises here: a crash, a hang, a loop, a memory bomb, an
-output flood, a network attempt each ends as a short message in that text. Only a
-sandbox that cannot be *built* raises (:class:`SandboxUnavailable`, fail closed), and
-:meth:`Sandbox.check` makes that happen at start-up, not mid-run.
+reads. Nothing raises here: a crash, a hang, a loop, a memory bomb, an output flood, a
+network attempt each ends as a short message in that text. A sandbox that cannot be
+*built* (no user namespaces, no Landlock) runs nothing (fail closed);
+:meth:`Sandbox.check`, which the environments call when they are made, turns that into
+:class:`SandboxUnavailable` at start-up, naming the flag that opts out.
 
 Limits (:class:`SandboxConfig`): CPU seconds (``RLIMIT_CPU``, SIGKILL), address space
 (``RLIMIT_AS``: an allocation past it raises ``MemoryError`` in the code), file size
-(``RLIMIT_FSIZE``), processes (``RLIMIT_NPROC``, counted inside the sandbox's own user
-namespace), open files, a wall-clock deadline (the whole process group is killed; the
-PID namespace takes every descendant with it) and an output budget (stdout and stderr
-together; past it the child is killed and the text says it was truncated). The child's
-cwd, ``HOME`` and ``TMPDIR`` are a fresh temporary directory, removed afterwards; its
-environment is five fixed variables, nothing inherited; its stdin is ``/dev/null``.
-Code and results cross as text (stdin, pipes, a JSON status line), never pickle.
+(``RLIMIT_FSIZE``), no new processes (seccomp; threads allowed, ``RLIMIT_NPROC``), open
+files, a wall-clock deadline (the process group is killed; the PID namespace takes
+every descendant with it) and an output budget (stdout and stderr together; past it
+the child is killed and the text says it was truncated). No network (a namespace of its
+own), no reads or writes outside the Python installation and a fresh temporary
+directory (Landlock) that is the child's cwd, ``HOME`` and ``TMPDIR`` and is removed
+afterwards; an environment of five fixed variables, nothing inherited; stdin
+``/dev/null``. Code and results cross as text (stdin, pipes, a JSON status line), never
+pickle.
 
-Cost: about 30 ms per call on the 2-core CI machine (a fresh interpreter, see
-docs/guides/environments.md for the measurement).
+Cost: about 25 ms per call on the 2-core CI machine, of which 6 ms is the interpreter's
+start and 12 ms the child's imports (docs/guides/environments.md has the measurement).
 """
 from __future__ import annotations
 
@@ -92,6 +95,12 @@ class SandboxConfig:
     """Run even where Landlock is missing (the code may then read and write wherever its
     uid may; logged on every run). Off: such a machine refuses to run tool code."""
 
+    def __post_init__(self) -> None:
+        for name in ("cpu_seconds", "wall_seconds", "memory_mb", "max_output_bytes", "max_file_mb",
+                     "max_threads", "max_open_files", "max_code_bytes"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"sandbox.{name} must be > 0, got {getattr(self, name)!r}")
+
     @classmethod
     def coerce(cls, value: "SandboxConfig | dict | None") -> "SandboxConfig":
         """From a config mapping; an unknown key is an error naming it."""
@@ -120,6 +129,8 @@ class SandboxResult:
     "output limit ..."), None when the code ended on its own."""
     truncated: bool
     seconds: float
+    unbuilt: str | None = None
+    """Why the sandbox could not be built (the code did not run; see :meth:`Sandbox.check`)."""
 
     @property
     def ok(self) -> bool:
@@ -151,15 +162,19 @@ class Sandbox:
 
     def check(self) -> None:
         """Build the sandbox once (cached per configuration and process) and raise
-        :class:`SandboxUnavailable` if it cannot be built."""
+        :class:`SandboxUnavailable`, naming the opt-out flag, if it cannot be built."""
         key = tuple(sorted(asdict(self.config).items()))
         with _CHECK_LOCK:
             if key not in _CHECKED:
-                self.run("pass")
+                result = self.run("pass")
+                if result.unbuilt:
+                    raise SandboxUnavailable(result.unbuilt)
                 _CHECKED[key] = None
 
     def run(self, code: str) -> SandboxResult:
-        """Run ``code``; never raises for what the code does (see the module docstring)."""
+        """Run ``code``; never raises (see the module docstring). A sandbox that cannot be
+        built does not run the code (fail closed): the result's ``unbuilt`` says why, its
+        text tells the model the tool is unavailable, and the reason is logged."""
         cfg = self.config
         start = time.monotonic()
         if len(code.encode()) > cfg.max_code_bytes:
@@ -192,6 +207,9 @@ class Sandbox:
                 [sys.executable, "-I", "-S", "-X", "utf8", str(CHILD), json.dumps(self._settings(tmp, status_w))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp, env=env,
                 pass_fds=(status_w,), start_new_session=True)
+        except OSError as e:  # EAGAIN, ENOMEM on a loaded machine
+            os.close(status_r)
+            return _unbuilt(f"cannot start the sandbox process: {e}", start)
         finally:
             os.close(status_w)
         try:
@@ -209,7 +227,9 @@ class Sandbox:
         _, wstatus, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(wstatus)
         code_ = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
-        _raise_if_unbuilt(status, out[1], code_, cfg)
+        problem = _setup_problem(status, out[1], code_)
+        if problem and not error:  # (killed before it reported: a stop, not a build failure)
+            return _unbuilt(problem, start)
         if error is None and code_ == 128 + signal.SIGKILL:
             used = usage.ru_utime + usage.ru_stime
             error = (f"CPU time limit ({cfg.cpu_seconds:g} s) exceeded" if used >= int(cfg.cpu_seconds + 0.999) - 0.05
@@ -251,14 +271,14 @@ class Sandbox:
         return out, bytes(status), truncated, error
 
 
-def _raise_if_unbuilt(status: bytes, stderr: bytes, exit_code: int, cfg: SandboxConfig) -> None:
-    """Raise :class:`SandboxUnavailable` unless the child reported a built sandbox;
-    log its warnings (the unsafe fallbacks) when it did."""
+def _setup_problem(status: bytes, stderr: bytes, exit_code: int) -> str | None:
+    """None when the child reported a built sandbox (its warnings, the unsafe fallbacks,
+    are logged), else why it was not built, with the flag that opts out where one does."""
     lines = [json.loads(line) for line in status.decode(errors="replace").splitlines() if line.strip()]
     if lines and lines[-1].get("ok"):
         for w in lines[-1].get("warnings", []):
             log.warning("sandbox (unsafe fallback allowed by config): %s", w)
-        return
+        return None
     reason = lines[-1]["error"] if lines else (
         f"the sandbox process exited with status {exit_code} before confining itself: "
         + stderr.decode(errors="replace").strip()[-500:])
@@ -270,7 +290,13 @@ def _raise_if_unbuilt(status: bytes, stderr: bytes, exit_code: int, cfg: Sandbox
     elif "andlock" in reason:
         hint = ("; to run tool code without filesystem confinement, set the environment kwarg "
                 "sandbox.unsafe_no_landlock=true")
-    raise SandboxUnavailable(f"cannot build the tool sandbox: {reason}{hint}")
+    return f"cannot build the tool sandbox: {reason}{hint}"
+
+
+def _unbuilt(reason: str, start: float) -> SandboxResult:
+    log.error("%s (the tool call was not run)", reason)
+    return SandboxResult("", "", None, "the sandbox is unavailable, the code was not run", False,
+                         time.monotonic() - start, unbuilt=reason)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

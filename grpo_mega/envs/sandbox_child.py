@@ -267,6 +267,7 @@ def main() -> None:
     os.close(status)
     echo = s["echo_last_expression"]
     del s, report
+    sys.argv = ["<tool>"]
     run_code(code, echo)
 
 

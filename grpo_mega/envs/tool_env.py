@@ -128,7 +128,7 @@ class ToolEnv:
         for spec, fn in zip(self._rewards, self._reward_fns):
             problem = check_reward_kwargs(fn, spec.kwargs)
             if problem:
-                raise TypeError(f"environment reward {spec.name!r}: {problem} (fix its kwargs in the "
+                raise TypeError(f"reward {spec.name!r}: {problem} (fix its kwargs in the "
                                 "environment's reward setting)")
         self._turn, self._reference, self._prompt, self._tool_calls, self._tool_errors = 0, None, "", 0, 0
 

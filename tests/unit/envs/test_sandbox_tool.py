@@ -203,9 +203,11 @@ logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(mess
 from grpo_mega.envs.sandbox import Sandbox, SandboxUnavailable
 try:
     Sandbox().check()
-    print("RAN")
+    print("CHECKED")
 except SandboxUnavailable as e:
     print("UNAVAILABLE", e)
+r = Sandbox().run("print('ran')")
+print("RUN", r.unbuilt is not None, r.text())
 print(Sandbox({"unsafe_no_netns": True}).run("print('opted out')").text())
 """
 
@@ -213,8 +215,9 @@ print(Sandbox({"unsafe_no_netns": True}).run("print('opted out')").text())
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
 def test_tool_sandbox_fails_closed_without_a_network_namespace():
     """Guards against a sandbox that quietly runs code with the host's network when no
-    namespace can be made: it must refuse, naming the opt-out flag, and the opt-out must
-    work and be logged. Made real by running in a user namespace allowed no nested ones."""
+    namespace can be made: ``check`` must raise naming the opt-out flag, ``run`` must not
+    run the code (and not raise either), and the opt-out must work and be logged. Made
+    real by running in a user namespace that may create no nested ones."""
     probe = subprocess.run(["unshare", "-r", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip("cannot make the outer user namespace here")
@@ -222,7 +225,8 @@ def test_tool_sandbox_fails_closed_without_a_network_namespace():
     r = subprocess.run(["unshare", "-r", "sh", "-c", script, sys.executable, _NO_USERNS], capture_output=True,
                        text=True, timeout=60, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert r.returncode == 0, r.stdout + r.stderr
-    lines = r.stdout.splitlines()
+    lines = [line for line in r.stdout.splitlines() if not line.startswith("LOG cannot build")]
     assert lines[0].startswith("UNAVAILABLE") and "sandbox.unsafe_no_netns=true" in lines[0], r.stdout
-    assert any(line.startswith("LOG") and "host's network" in line for line in lines), r.stdout
+    assert lines[1] == "RUN True [error: the sandbox is unavailable, the code was not run]", r.stdout
+    assert any(line.startswith("LOG") and "host's network" in line for line in lines[2:]), r.stdout
     assert lines[-1] == "opted out", r.stdout

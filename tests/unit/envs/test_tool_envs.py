@@ -7,6 +7,8 @@ in order, with the call's id. Config mistakes do raise, naming the bad name or k
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from grpo_mega.envs import (
@@ -14,6 +16,7 @@ from grpo_mega.envs import (
     evaluate, make_env, register_env, resolve_env,
 )
 from grpo_mega.envs.sandbox import Sandbox, SandboxUnavailable
+from tests import REPO
 
 ROW = {"prompt": "What is 123 * 4567?", "answer": "561741"}
 
@@ -195,7 +198,25 @@ def test_env_registry_errors_name_the_bad_name_or_kwarg(scratch_registry):
     with pytest.raises(TypeError, match="'not_an_env'.*lacks the Environment protocol"):
         register_env("not_an_env")(lambda: object())
         make_env("not_an_env")
-    with pytest.raises(TypeError, match="environment reward 'math'.*'foo'"):
+    with pytest.raises(TypeError, match="environment 'calculator': reward 'math'.*'foo'"):
         make_env("calculator", {"reward": {"name": "math", "kwargs": {"foo": 1}}})
-    with pytest.raises(TypeError, match=r"sandbox: unknown key\(s\) \['cpu_second'\]"):
+    with pytest.raises(TypeError, match=r"'python_tool': sandbox: unknown key\(s\) \['cpu_second'\]"):
         make_env("python_tool", {"sandbox": {"cpu_second": 1}})
+    with pytest.raises(ValueError, match="'python_tool': sandbox.cpu_seconds must be > 0, got 0"):
+        make_env("python_tool", {"sandbox": {"cpu_seconds": 0}})
+    with pytest.raises(ValueError, match="'calculator': max_turns must be >= 1"):
+        make_env("calculator", {"max_turns": 0})
+
+
+def test_env_guide_example_runs(scratch_registry):
+    """Guards against the guide's complete example drifting from the code (a renamed
+    export, a changed protocol): both Python blocks of "Writing your own environment" run,
+    with their assertions."""
+    text = (REPO / "docs" / "guides" / "environments.md").read_text()
+    section = text.split("## Writing your own environment", 1)[1]
+    blocks = re.findall(r"^```python\n(.*?)^```", section, flags=re.M | re.S)
+    assert len(blocks) == 2, len(blocks)
+    namespace: dict = {"__name__": "my_envs"}
+    for block in blocks:
+        exec(compile(block, "docs/guides/environments.md", "exec"), namespace)
+    assert namespace["last"].reward == 1.0 and "inventory" in ENV_REGISTRY
