@@ -14,11 +14,11 @@ The order matters, each step needing what the one before left:
    its first one exits, and the parent's ``killpg`` reaches that one);
 3. ``fork``: the child is PID 1 of the new namespace; the parent only waits and relays
    its exit status;
-4. in PID 1: Landlock (writes only beneath the temporary directory, reads and executes
-   only beneath the Python installation and the system library directories, no TCP
-   connect or bind, no signals or abstract sockets outside), no new privileges, no
-   capabilities, a seccomp filter refusing new processes (threads stay possible), then
-   the rlimits (``RLIMIT_NPROC`` after ``unshare``: the kernel counts it per user
+4. in PID 1: no new privileges (Landlock and seccomp need it), Landlock (writes only
+   beneath the temporary directory, reads and executes only beneath it, the Python
+   installation and the system library directories, no TCP connect or bind, no signals
+   or abstract sockets outside), no capabilities, a seccomp filter refusing new
+   processes (threads stay possible), then the rlimits (``RLIMIT_NPROC`` after ``unshare``: the kernel counts it per user
    namespace, so parallel sandboxes do not share one budget; it does not bind root);
 5. report ``{"ok": true}`` (or the failure) on the status pipe and close it, so the
    parent tells a sandbox that could not be built (fail closed) from code that exits
@@ -249,13 +249,15 @@ def main() -> None:
             _, st = os.waitpid(pid, 0)
             os._exit(os.waitstatus_to_exitcode(st) if os.WIFEXITED(st) else 128 + os.WTERMSIG(st))
     try:
+        # no_new_privs first: Landlock and seccomp need it (or CAP_SYS_ADMIN, which the
+        # fallback without a user namespace lacks).
+        _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
         try:
             landlock(s["write_root"], s["read_roots"])
         except SetupError as e:
             if not s["unsafe_no_landlock"]:
                 raise
             warnings.append(f"no Landlock ({e}): the code may read and write wherever its uid may")
-        _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
         drop_capabilities()
         if not s["allow_subprocesses"]:
             forbid_new_processes()

@@ -197,7 +197,7 @@ def test_tool_sandbox_background_processes_die_with_the_call():
     assert r.seconds < 3, r.seconds
 
 
-_NO_USERNS = """
+_NO_USERNS = r"""
 import logging, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="LOG %(message)s")
 from grpo_mega.envs.sandbox import Sandbox, SandboxUnavailable
@@ -208,7 +208,8 @@ except SandboxUnavailable as e:
     print("UNAVAILABLE", e)
 r = Sandbox().run("print('ran')")
 print("RUN", r.unbuilt is not None, r.text())
-print(Sandbox({"unsafe_no_netns": True}).run("print('opted out')").text())
+code = "print('opted out')\ntry:\n    open('/etc/passwd')\nexcept PermissionError:\n    print('still confined')"
+print(Sandbox({"unsafe_no_netns": True}).run(code).text())
 """
 
 
@@ -216,7 +217,8 @@ print(Sandbox({"unsafe_no_netns": True}).run("print('opted out')").text())
 def test_tool_sandbox_fails_closed_without_a_network_namespace():
     """Guards against a sandbox that quietly runs code with the host's network when no
     namespace can be made: ``check`` must raise naming the opt-out flag, ``run`` must not
-    run the code (and not raise either), and the opt-out must work and be logged. Made
+    run the code (and not raise either), and the opt-out must work, be logged, and keep
+    the other layers (Landlock). Made
     real by running in a user namespace that may create no nested ones."""
     probe = subprocess.run(["unshare", "-r", "true"], capture_output=True)
     if probe.returncode != 0:
@@ -229,4 +231,4 @@ def test_tool_sandbox_fails_closed_without_a_network_namespace():
     assert lines[0].startswith("UNAVAILABLE") and "sandbox.unsafe_no_netns=true" in lines[0], r.stdout
     assert lines[1] == "RUN True [error: the sandbox is unavailable, the code was not run]", r.stdout
     assert any(line.startswith("LOG") and "host's network" in line for line in lines[2:]), r.stdout
-    assert lines[-1] == "opted out", r.stdout
+    assert lines[-2:] == ["opted out", "still confined"], r.stdout
