@@ -232,3 +232,16 @@ def test_tool_sandbox_fails_closed_without_a_network_namespace():
     assert lines[1] == "RUN True [error: the sandbox is unavailable, the code was not run]", r.stdout
     assert any(line.startswith("LOG") and "host's network" in line for line in lines[2:]), r.stdout
     assert lines[-2:] == ["opted out", "still confined"], r.stdout
+
+
+def test_tool_sandbox_calls_from_threads_are_independent():
+    """Guards against state shared between concurrent calls (episodes run side by side):
+    one temporary directory or output buffer for two calls would mix their files and
+    outputs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sandbox = Sandbox()
+    code = "import os\nopen('mine.txt', 'w').write('{i}')\nprint({i}, os.listdir('.'), open('mine.txt').read())"
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda i: sandbox.run(code.format(i=i)), range(8)))
+    assert [r.stdout for r in results] == [f"{i} ['mine.txt'] {i}\n" for i in range(8)], results
