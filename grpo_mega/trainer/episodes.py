@@ -32,10 +32,10 @@ def build_episodes(cfg, tokenizer) -> Optional[EpisodeSetup]:
     """None for single-turn runs (``env.name`` unset)."""
     if not cfg.env.name:
         return None
-    from grpo_mega.data.chat import TokenCodec
     from grpo_mega.envs import make_env
+    from grpo_mega.rollout.chat_codec import ChatCodec
 
-    codec = TokenCodec.for_tokenizer(tokenizer, cfg.env.chat_format)
+    codec = ChatCodec.for_tokenizer(tokenizer, cfg.env.chat_format)
     make_env(cfg.env.name, cfg.env.kwargs).close()  # a bad name or kwarg fails at start-up, on every rank
     limits = EpisodeLimits(max_turns=cfg.env.max_turns, max_tokens=cfg.env.max_tokens,
                            max_model_len=cfg.rollout.max_model_len)

@@ -1,0 +1,220 @@
+"""The tool-use demo's task, chat format and warm-started model (``make demo ARGS=--tools``).
+
+Task: two-digit multiplication, ``"37*45="`` -> ``1665``. The tiny model (the dense demo's
+shape) cannot multiply; with the ``calculator`` tool it only has to call it with the two
+operands and copy the result back. An episode, as the chat template renders it::
+
+    37*45=          the user's question
+    [37*45]</s>     turn 1: the model calls calculator(expression="37*45")
+    1665=           the tool's result, rendered by the template (never trained on)
+    1665</s>        turn 2: the model's answer
+
+The reward is 1 when the last turn is exactly the product (``exact_answer``). A short
+supervised warm start on whole episodes (both model turns) stops once held-out greedy
+accuracy, played against the real tool, enters ``TARGET_ACC``, so GRPO starts weak but
+with signal.
+
+The template is a character-level format of its own (the tokenizer knows only digits,
+``*``, ``=``, ``[`` and ``]``); it is registered as the chat format ``demo_tools``.
+
+    python -m grpo_mega.demo.tools [CACHE_DIR]   # rebuild the assets (about 2-4 minutes)
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from grpo_mega.demo.assets import ASSETS, EVAL_SIZE, TARGET_ACC, _write_jsonl, say
+
+VERSION = "tools_v1"
+PACKAGED = ASSETS / f"demo_{VERSION}"
+
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{%- if m.tool_calls -%}[{{ m.tool_calls[0].function.arguments.expression }}]"
+    "{%- else -%}{{ m.content }}{%- endif -%}{{ eos_token }}"
+    "{%- elif m.role == 'tool' -%}{{ m.content }}="
+    "{%- else -%}{{ m.content }}{%- endif -%}"
+    "{%- endfor -%}")
+"""User text as is; a tool call as ``[expression]``; a tool result followed by ``=``; every
+assistant turn ends with eos. There is no generation prompt."""
+
+CALL = re.compile(r"^\[([0-9*]{1,16})\]$")
+
+
+def parse_turn(text: str) -> dict:
+    """A sampled turn (end-of-turn token stripped) -> an assistant message: ``[expr]`` is a
+    ``calculator`` call, anything else the answer."""
+    m = CALL.match(text)
+    if m is None:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_0", "type": "function",
+         "function": {"name": "calculator", "arguments": {"expression": m.group(1)}}}]}
+
+
+def _demo_format():
+    from grpo_mega.data.chat import ChatFormat
+
+    return ChatFormat(name="demo_tools", eot_token="</s>", markers=("m.tool_calls[0].function.arguments.expression",),
+                      parse=parse_turn)
+
+
+DEMO_FORMAT = _demo_format()
+"""The demo's chat format (``env.chat_format: grpo_mega.demo.tools:DEMO_FORMAT``)."""
+
+
+def problems(seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """(train, held-out) rows ``{"prompt": "a*b=", "answer": str(a*b)}`` for a, b in 10..99."""
+    rows = [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a in range(10, 100) for b in range(10, 100)]
+    random.Random(seed).shuffle(rows)
+    return rows[EVAL_SIZE:], rows[:EVAL_SIZE]
+
+
+def episode_text(prompt: str, answer: str) -> list[tuple[str, bool]]:
+    """The ideal episode as (text, is the model's) pieces; eos follows each model piece."""
+    expr = prompt.rstrip("=")
+    return [(prompt, False), (f"[{expr}]", True), (f"{answer}=", False), (answer, True)]
+
+
+def _build_tokenizer(out: Path) -> Path:
+    from grpo_mega.data.tokenizer import train_sentencepiece, write_hf_tokenizer_dir
+
+    texts = [f"{a}*{b}=[{a}*{b}]{a * b}={a * b}" for a in range(10, 100) for b in range(10, 100)]
+    model = train_sentencepiece(texts, out / "spm" / "tools", vocab_size=20, model_type="char",
+                                byte_fallback=False)
+    return write_hf_tokenizer_dir(model, out / "tokenizer", chat_template=CHAT_TEMPLATE)
+
+
+def _calculator(expr: str) -> str:
+    a, _, b = expr.partition("*")
+    return str(int(a) * int(b)) if a.isdigit() and b.isdigit() else "error"
+
+
+@torch.no_grad()
+def _greedy(model, ids: list[list[int]], eos: int, max_new: int) -> list[list[int]]:
+    """Greedy continuations (eos included when reached) of same-length prompts."""
+    x = torch.tensor(ids)
+    outs: list[list[int]] = [[] for _ in ids]
+    done = [False] * len(ids)
+    for _ in range(max_new):
+        nxt = model(x).logits[:, -1].argmax(-1)
+        for i, t in enumerate(nxt.tolist()):
+            if not done[i]:
+                outs[i].append(t)
+                done[i] = t == eos
+        x = torch.cat([x, nxt[:, None]], 1)
+        if all(done):
+            break
+    return outs
+
+
+def greedy_accuracy(model, tok, rows: list[dict]) -> float:
+    """Held-out accuracy of whole greedy episodes against the real tool (HF model)."""
+    correct = 0
+    for r in rows:
+        p = tok.encode(r["prompt"])
+        call = _greedy(model, [p], tok.eos_id, 10)[0]
+        text = tok.decode([t for t in call if t != tok.eos_id])
+        m = CALL.match(text)
+        if not (m and call and call[-1] == tok.eos_id):
+            continue
+        ctx = p + call + tok.encode(_calculator(m.group(1)) + "=")
+        ans = _greedy(model, [ctx], tok.eos_id, 6)[0]
+        correct += int(bool(ans) and ans[-1] == tok.eos_id and tok.decode(ans[:-1]) == r["answer"])
+    return correct / max(len(rows), 1)
+
+
+def _warm_start(hf_dir: Path, tok, train: list[dict], evals: list[dict], seed: int = 0,
+                check_every: int = 4) -> float:
+    """Supervised steps on the model's tokens of ideal episodes until held-out accuracy
+    enters TARGET_ACC."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)  # 1e-3 jumped 0% -> 83% in 25 steps
+    rng = random.Random(seed)
+    acc, t0, step = 0.0, time.time(), 0
+    while True:
+        seqs, masks = [], []
+        for r in rng.sample(train, 64):
+            s, m = [], []
+            for text, mine in episode_text(r["prompt"], r["answer"]):
+                ids = tok.encode(text) + ([tok.eos_id] if mine else [])
+                s += ids
+                m += [int(mine)] * len(ids)
+            seqs.append(s)
+            masks.append(m)
+        width = max(map(len, seqs))
+        ids = torch.tensor([s + [tok.pad_id] * (width - len(s)) for s in seqs])
+        mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
+        model.train()
+        nll = torch.nn.functional.cross_entropy(model(ids).logits[:, :-1].transpose(1, 2), ids[:, 1:],
+                                                reduction="none")
+        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step += 1
+        if step % check_every == 0:
+            model.eval()
+            acc = greedy_accuracy(model, tok, evals)
+            say(f"  warm start step {step}: loss {loss.item():.3f}, held-out greedy accuracy "
+                f"{acc:.1%} ({time.time() - t0:.0f}s)")
+            if acc >= TARGET_ACC[0] or step >= 3000:
+                break
+    model.save_pretrained(str(hf_dir), safe_serialization=True)
+    return acc
+
+
+def ensure_tools_assets(cache_dir: str | os.PathLike = ".cache/demo", rebuild: bool = False) -> Path:
+    """The packaged or cached tool-demo assets, else built (``tokenizer/``, ``hf/``,
+    ``train.jsonl``, ``eval.jsonl``, ``warm_start.json``)."""
+    if not rebuild and (PACKAGED / "DONE").exists():
+        say(f"using the packaged tool-use demo model and data ({PACKAGED})")
+        return PACKAGED
+    root = Path(cache_dir) / VERSION
+    if rebuild:
+        shutil.rmtree(root, ignore_errors=True)
+    if (root / "DONE").exists():
+        say(f"using cached tool-use demo model and data in {root}")
+        return root
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tmp = root.with_name(root.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    from grpo_mega.data.tokenizer import load_tokenizer
+    from grpo_mega.testing.tiny import build_tiny_hf_checkpoint
+
+    say("step 1/3: a character-level tokenizer with the demo's chat template")
+    tok_dir = _build_tokenizer(tmp)
+    tok = load_tokenizer(tok_dir)
+    train, evals = problems()
+    _write_jsonl(tmp / "train.jsonl", train)
+    _write_jsonl(tmp / "eval.jsonl", evals)
+    say(f"step 2/3: a tiny qwen2 (vocab {tok.vocab_size}, hidden 128, 2 layers)")
+    hf = build_tiny_hf_checkpoint(tmp / "hf", family="qwen2", hidden_size=128, num_layers=2, num_heads=4,
+                                  num_kv_heads=2, tokenizer_dir=tok_dir, seed=0, max_position_embeddings=64,
+                                  intermediate_size=256)
+    say("step 3/3: supervised warm start on whole episodes (stops at 30-50% held-out accuracy)")
+    acc = _warm_start(hf, tok, train, evals)
+    (tmp / "warm_start.json").write_text(json.dumps({"heldout_greedy_accuracy": acc}))
+    (tmp / "DONE").write_text("ok\n")
+    shutil.rmtree(root, ignore_errors=True)
+    tmp.rename(root)
+    say(f"tool-use demo assets ready in {root} (warm-start accuracy {acc:.1%})")
+    return root
+
+
+if __name__ == "__main__":
+    ensure_tools_assets(sys.argv[1] if len(sys.argv) > 1 else ".cache/demo", rebuild=True)
