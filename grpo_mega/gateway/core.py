@@ -59,15 +59,17 @@ class Gateway:
             while episodes run (sync weights between rounds).
         codec: the chat format (``TurnCodec``: ``first_ids``, ``delta_ids``, ``parse``, ``check``).
         sampling: defaults for what a request leaves out (its ``n`` is ignored: one choice per
-            call). Its ``stop_token_ids`` must hold the chat format's end-of-turn ids (e.g.
-            ``<|im_end|>``), so that a reply ends where its turn ends.
+            call). The chat format's end-of-turn token (``codec.eot_id``) is added to its
+            ``stop_token_ids``, so that a reply ends where its turn ends.
         config: :class:`GatewayConfig`.
     """
 
     def __init__(self, generate: Callable[..., RolloutBatch], codec: TurnCodec,
                  sampling: Optional[SamplingConfig] = None, config: Optional[GatewayConfig] = None):
         self.codec = codec
-        self.sampling = dataclasses.replace(sampling or SamplingConfig(), n=1)
+        base = sampling or SamplingConfig()
+        self.sampling = dataclasses.replace(base, n=1, stop_token_ids=tuple(sorted({*base.stop_token_ids,
+                                                                                    codec.eot_id})))
         self.config = config or GatewayConfig()
         self.batcher = Batcher(generate, max_batch=self.config.max_batch, wait_s=self.config.batch_wait_s)
         self.step = 0
@@ -165,21 +167,14 @@ class Gateway:
             if ep.finished:
                 raise GatewayError(409, f"episode {episode_id!r} is finished; open a new one",
                                    code="episode_finished")
-            try:
-                plan = ep.plan(self.codec, req.messages, req.tools)
-            except Rewrite as why:
-                if self.config.on_rewrite != "restart":
-                    raise GatewayError(409, f"history rewritten in episode {episode_id!r}: {why} "
-                                       "(or start the episode again with GatewayConfig.on_rewrite='restart')",
-                                       param="messages", code="history_rewritten") from None
-                plan = ep.plan_restart(self.codec, req.messages, req.tools)
+            plan = self._plan(ep, req)
             prompt = plan.engine_prompt(ep)
             sampling, step, key, overridden = self._sampling(req, ep)
             budget = self._budget(req, len(prompt))
             ep.attempts += 1
             got = self._generate(Job(prompt, sampling, step, key, budget))
             parsed, shown = self._reply(got, req)
-            closed = got.finish == "stop" and not isinstance(got.stop_reason, str)
+            closed = bool(got.ids) and got.ids[-1] == self.codec.eot_id  # else cut: length, a stop string
             ep.commit(plan, got.ids, got.logprobs, parsed, shown, closed)
             ep.sampling_overridden += overridden
             used = [sampling.temperature, sampling.top_p, sampling.top_k]
@@ -189,6 +184,20 @@ class Gateway:
         finish = ("length" if got.finish == "length" else
                   "tool_calls" if shown.get("tool_calls") else "stop")
         return completion_response(self.config.model_name, shown, finish, len(prompt), len(got.ids))
+
+    def _plan(self, ep: Episode, req: ChatRequest):
+        try:
+            try:
+                return ep.plan(self.codec, req.messages, req.tools)
+            except Rewrite as why:
+                if self.config.on_rewrite != "restart":
+                    raise GatewayError(409, f"history rewritten in episode {ep.id!r}: {why} (or start the "
+                                       "episode again with GatewayConfig.on_rewrite='restart')",
+                                       param="messages", code="history_rewritten") from None
+                return ep.plan_restart(self.codec, req.messages, req.tools)
+        except ValueError as e:  # the chat format's ChatFormatError: a template refusing these messages
+            raise GatewayError(400, f"the chat format cannot render these messages: {e}", param="messages",
+                               code="unrenderable_messages") from None
 
     def _sampling(self, req: ChatRequest, ep: Episode) -> tuple[SamplingConfig, int, int, int]:
         base = self.sampling

@@ -85,6 +85,7 @@ class Episode:
         self.mask: list[int] = []
         self.logprobs: list[float] = []
         self.segments: list[tuple[str, list[int]]] = []
+        self.cut: list[bool] = []           # per model segment: the reply did not end its turn
         self.marks: list[_Mark] = []
         self.reward: Optional[float] = None
         self.finished = False
@@ -147,6 +148,7 @@ class Episode:
             self.prompt_ids, self.tools = list(plan.prompt_ids), list(plan.tools)
             self.messages, self.shown = list(plan.messages), list(plan.messages)
             self.ids, self.mask, self.logprobs, self.segments, self.marks = [], [], [], [], []
+            self.cut = []
         else:
             self._cut(plan.cut)
             new = plan.messages[plan.cut.n_messages:]
@@ -155,6 +157,7 @@ class Episode:
             self._add("env", plan.delta)
         self.marks.append(_Mark(len(self.messages), len(self.ids), after_reply=False))
         self._add("model", ids, logprobs)
+        self.cut.append(not closed)
         self.messages.append(parsed)
         self.shown.append(shown)
         self.last_closed = closed
@@ -187,6 +190,7 @@ class Episode:
             total += len(seg)
         assert total == mark.n_ids, "marks sit on segment boundaries"
         self.segments = kept
+        self.cut = self.cut[:sum(1 for k, _ in kept if k == "model")]
         self.messages, self.shown = self.messages[:mark.n_messages], self.shown[:mark.n_messages]
         at = next(i for i, m in enumerate(self.marks) if m is mark)
         # A reply's mark stays (the new delta follows it); a call's start is marked again by commit.
@@ -196,7 +200,8 @@ class Episode:
     # -- reading -------------------------------------------------------------
     def sample(self, codec) -> dict[str, Any]:
         """The episode as one sample: the fields of a ``RolloutBatch`` row."""
-        problems = list(codec.check(self.prompt_ids, self.segments, self.messages, self.tools))
+        problems = list(codec.check(self.prompt_ids, self.segments, self.messages, self.tools, self.ids,
+                                    self.mask, self.cut))
         model = sum(self.mask)
         replies = [self.messages[m.n_messages] for m in self.marks if not m.after_reply]
         info = {"episode_id": self.id, "turns": len(replies),

@@ -5,8 +5,8 @@ loopback, in front of a real vLLM engine on CPU.
 
 One engine for the module (``engine``), serving a scripted tiny Qwen2 (``scripted.py``:
 its next-token log-probs are known exactly; it writes tool calls, and replies whose bytes
-do not survive decode + encode). Each test starts its own gateway and server (milliseconds).
-The ChatML codec is a test fixture until ``grpo_mega.data.chat`` is merged.
+do not survive decode + encode) with the real ChatML chat format (``rollout.chat_codec``).
+Each test starts its own gateway and server (milliseconds).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import pytest
 
 from grpo_mega.gateway import Gateway, GatewayConfig, is_loopback
 from grpo_mega.rollout.types import RolloutBatch, SamplingConfig
-from tests.unit.gateway.scripted import TOOLS, ChatMLFixtureCodec, build_scripted_model
+from tests.unit.gateway.scripted import TOOLS, build_scripted_model
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 HAVE_OPENAI = importlib.util.find_spec("openai") is not None
@@ -37,9 +37,10 @@ MAX_MODEL_LEN = 512
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory):
     from grpo_mega.data.tokenizer import HFTokenizer
+    from grpo_mega.rollout.chat_codec import ChatCodec
 
     model, script = build_scripted_model(tmp_path_factory.mktemp("gateway"))
-    return model, script, ChatMLFixtureCodec(HFTokenizer(model))
+    return model, script, ChatCodec.for_tokenizer(HFTokenizer(model), "chatml")
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ class Spy:
 def make_gateway(engine, scripted, **config) -> tuple[Gateway, Spy]:
     _, script, codec = scripted
     spy = Spy(engine.generate)
-    sampling = SamplingConfig(max_new_tokens=8, seed=7, stop_token_ids=(script.im_end,))
+    sampling = SamplingConfig(max_new_tokens=8, seed=7)  # the gateway adds codec.eot_id as a stop
     return Gateway(spy, codec, sampling, GatewayConfig(max_model_len=MAX_MODEL_LEN, **config)), spy
 
 
@@ -135,8 +136,8 @@ def expected_trajectory(codec, spy: Spy, messages: list, retried: bool = False):
     prompt_len, mask, lps, sampled = len(seq), [], [], []
     for k, i in enumerate(replies):
         if k:
-            new = messages[replies[k - 1] + 1:i]
-            delta = codec.delta_ids(None, new, TOOLS)
+            delta = codec.delta_ids(_dicts(messages[:replies[k - 1] + 1]), _dicts(messages[replies[k - 1] + 1:i]),
+                                    TOOLS)
             seq += delta
             mask += [0] * len(delta)
             lps += [0.0] * len(delta)
@@ -205,7 +206,7 @@ def test_gateway_agent_loop_records_the_engines_ids_exactly(engine, scripted):
         all_sampled += sampled
     assert any(script.call in r for r in all_sampled), "no tool call was sampled: the test proves less"
     bodies = [r[:-1] for r in all_sampled if script.call not in r and r[-1] == script.im_end]
-    tok = codec.tok
+    tok = codec.tokenizer
     assert any(tok.encode(tok.decode(b)) != b for b in bodies), \
         "every reply survived decode + encode: a re-tokenized history would pass unnoticed"
 
