@@ -104,12 +104,12 @@ class Batcher:
                 raise RuntimeError(f"the engine returned {len(out.response_ids)} samples for {len(jobs)} "
                                    "prompts (the gateway asks n=1)")
         except BaseException as e:  # noqa: BLE001 - handed to the waiting calls
-            if len(jobs) > 1:
-                log.warning("gateway: a batch of %d calls failed (%s); retrying them one by one", len(jobs), e)
-                for j in jobs:
-                    self._run([j])
-            else:
+            if len(jobs) == 1:
                 jobs[0].future.set_exception(e)
+                return
+            log.warning("gateway: a batch of %d calls failed (%s); retrying them one by one", len(jobs), e)
+            for j in jobs:
+                self._run([j])
             return
         share = out.seconds / len(jobs)
         for i, j in enumerate(jobs):

@@ -72,13 +72,17 @@ class Scripted:
 
 
 def build_scripted_tokenizer(out_dir: Path):
-    """The chat package's tiny ChatML tokenizer plus the whole tool-call text as one added token."""
+    """The chat package's tiny ChatML tokenizer plus the whole tool-call text as one added
+    token, with ``<|endoftext|>`` as eos."""
     from grpo_mega.data.chat.templates import write_chat_tokenizer
     from grpo_mega.data.tokenizer import HFTokenizer
 
     d = write_chat_tokenizer("chatml", out_dir)
     hf = HFTokenizer(d).hf
     hf.add_tokens([CALL_TEXT])
+    # eos is not the end-of-turn token (as in Llama 3 base models): a turn ends at
+    # <|im_end|> only because the gateway makes the chat format's end of turn a stop token.
+    hf.eos_token = "<|endoftext|>"
     hf.save_pretrained(str(d))
     return d
 

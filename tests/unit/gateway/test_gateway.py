@@ -58,9 +58,10 @@ class Spy:
     """Calls the real engine and keeps what it was given and what it returned."""
 
     def __init__(self, generate):
-        self.generate, self.calls = generate, []
+        self.generate, self.calls, self.attempts = generate, [], []
 
     def __call__(self, prompts, sampling, **kw) -> RolloutBatch:
+        self.attempts.append(len(prompts))
         out = self.generate(prompts, sampling, **kw)
         self.calls.append(([list(p) for p in prompts], out))
         return out
@@ -74,7 +75,7 @@ def make_gateway(engine, scripted, **config) -> tuple[Gateway, Spy]:
     _, script, codec = scripted
     spy = Spy(engine.generate)
     sampling = SamplingConfig(max_new_tokens=8, seed=7)  # the gateway adds codec.eot_id as a stop
-    return Gateway(spy, codec, sampling, GatewayConfig(max_model_len=MAX_MODEL_LEN, **config)), spy
+    return Gateway(spy, codec, sampling, GatewayConfig(**{"max_model_len": MAX_MODEL_LEN, **config})), spy
 
 
 def post(url: str, body: dict) -> dict:
@@ -386,19 +387,37 @@ def test_gateway_bad_requests_get_clear_openai_shaped_4xx(engine, scripted):
 
 
 def test_gateway_engine_refusal_is_400_and_failure_is_5xx_with_the_reason(engine, scripted):
-    """Guards against an engine error killing the server or reaching the client as a vague
-    error: the engine's refusal of a request (a prompt over its context) is a 400 with its
-    words; an engine that fails is a 500 with the reason; neither changes the episode."""
+    """Guards against an engine error killing the server, failing the other calls of its
+    batch, or reaching the client as a vague error: the engine's refusal of a request (a
+    prompt over its context) is a 400 with its words while the call batched with it is
+    served; an engine that fails is a 500 with the reason; neither changes the episode."""
     import openai
 
     _, _, codec = scripted
-    gw, _ = make_gateway(engine, scripted)
-    gw.config = GatewayConfig(max_model_len=None)  # let the engine itself judge the length
+    # No max_model_len: the engine itself judges the length. A long wait: both calls share a batch.
+    gw, spy = make_gateway(engine, scripted, max_model_len=None, batch_wait_s=0.5, request_timeout_s=60)
     with gw.serve() as server:
-        client = openai.OpenAI(base_url=server.base_url("long"), api_key="unused", max_retries=0)
-        with pytest.raises(openai.BadRequestError, match="max_model_len") as e:
-            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "word " * 600}])
-        assert e.value.body["code"] == "engine_refused"
+        got, start = {}, threading.Barrier(2)
+
+        def call(name, text):
+            client = openai.OpenAI(base_url=server.base_url(name), api_key="unused", max_retries=0)
+            start.wait()
+            try:
+                got[name] = client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}],
+                                                           max_tokens=32)
+            except openai.APIError as e:
+                got[name] = e
+
+        threads = [threading.Thread(target=call, args=a) for a in (("long", "word " * 600), ("short", "hi"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert 2 in spy.attempts, "the two calls were not batched together; the test proves less"
+        assert isinstance(got["long"], openai.BadRequestError) and got["long"].body["code"] == "engine_refused"
+        assert "max_model_len" in got["long"].body["message"]
+        assert not isinstance(got["short"], Exception), f"a good call failed with a bad one: {got['short']}"
+        assert gw.episode("long").summary()["calls"] == 0 and gw.episode("short").summary()["calls"] == 1
 
     def broken_engine(prompts, sampling, **kw):  # stands in for an engine that died
         raise RuntimeError("out of KV cache blocks")
@@ -485,3 +504,26 @@ def test_gateway_collect_refuses_what_the_trainer_cannot_use(engine, scripted):
         assert raw(server, "GET", f"/episodes/{ids[0]}")[0] == 404  # collected: gone
         late = raw(server, "POST", f"/episodes/{ids[0]}/v1/chat/completions", json.dumps(GOOD).encode())
         assert late[0] == 409 and late[2]["error"]["code"] == "episode_collected"  # not a new episode
+
+
+def test_gateway_guide_example_runs(engine, scripted):
+    """Guards against the guide's complete example drifting from the code (a renamed method,
+    a changed collect): its agent and its round of rollouts run against this engine and
+    give a group-major, token-exact batch."""
+    import re
+
+    from tests import REPO
+
+    text = (REPO / "docs" / "guides" / "gateway.md").read_text()
+    section = text.split("## A complete example", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"^```python\n(.*?)^```", section, flags=re.M | re.S)
+    assert len(blocks) == 3, len(blocks)
+    namespace: dict = {"__name__": "guide"}
+    for block in blocks[:2]:  # the third builds an engine from a checkpoint path
+        exec(compile(block, "docs/guides/gateway.md", "exec"), namespace)
+    gw, _ = make_gateway(engine, scripted)
+    with gw.serve() as server:
+        batch = namespace["play_round"](gw, server, ["find x", "find y"], group_size=2, step=3)
+    assert len(batch) == 4 and batch.prompt_index == [0, 0, 1, 1]
+    assert all(i["token_mismatch"] == 0 for i in batch.episode_info), batch.episode_info
+    assert all(r in (0.0, 1.0) for r in batch.episode_rewards) and all(map(any, batch.response_mask))
