@@ -34,6 +34,7 @@ import logging
 import re
 import socket
 import threading
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 from urllib.parse import urlsplit
@@ -99,13 +100,20 @@ class _Handler(BaseHTTPRequestHandler):
     def do_DELETE(self) -> None:  # noqa: N802
         self._dispatch("DELETE")
 
+    def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
+        # The stdlib's own refusals (a malformed request line, an unsupported method) in
+        # OpenAI's JSON error shape too, rather than an HTML page.
+        self.close_connection = True
+        self._send(code, error_body(code, message or explain or HTTPStatus(code).phrase))
+
     def log_message(self, fmt: str, *args: Any) -> None:
         log.debug("gateway %s - " + fmt, self.address_string(), *args)
 
     # -- plumbing ------------------------------------------------------------
     def _dispatch(self, method: str) -> None:
         try:
-            status, payload = self._route(method)
+            raw = self._read_body()  # first, whatever the answer: on a kept-alive connection an
+            status, payload = self._route(method, raw)  # unread body would be read as the next request
         except GatewayError as e:
             status, payload = e.status, e.body()
         except Exception as e:  # noqa: BLE001 - a handler bug answers 500, the server lives on
@@ -125,7 +133,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _body(self) -> Any:
+    def _read_body(self) -> bytes:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             self.close_connection = True
             raise GatewayError(411, "send the body with a Content-Length (chunked bodies are not read)")
@@ -139,7 +147,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True  # the body stays unread
             raise GatewayError(413, f"request body of {length} bytes exceeds {limit} "
                                "(GatewayConfig.max_body_bytes)")
-        raw = self.rfile.read(length) if length else b""
+        return self.rfile.read(length) if length > 0 else b""
+
+    @staticmethod
+    def _json(raw: bytes) -> Any:
         if not raw:
             return {}
         try:
@@ -156,7 +167,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise GatewayError(401, "missing or wrong API key (Authorization: Bearer ...; the openai "
                                "client's api_key=)", code="invalid_api_key")
 
-    def _route(self, method: str) -> tuple[int, dict]:
+    def _route(self, method: str, raw: bytes) -> tuple[int, dict]:
         path = urlsplit(self.path).path.rstrip("/") or "/"
         allowed = []
         for m, pattern, name in _ROUTES:
@@ -167,7 +178,7 @@ class _Handler(BaseHTTPRequestHandler):
                 allowed.append(m)
                 continue
             self._authorized()
-            body = self._body() if method == "POST" else None
+            body = self._json(raw) if method == "POST" else None
             return getattr(self, f"_{name}")(match.groupdict().get("id"), body)
         if allowed:
             raise GatewayError(405, f"{method} {path} is not allowed; use {' or '.join(sorted(set(allowed)))}")

@@ -85,13 +85,15 @@ def post(url: str, body: dict) -> dict:
         return json.loads(r.read())
 
 
-def raw(server, method: str, path: str, body: bytes | None = None, headers: dict | None = None):
-    """One raw HTTP exchange: (status, headers, decoded JSON body)."""
-    conn = http.client.HTTPConnection(server.host, server.port, timeout=60)
+def raw(server, method: str, path: str, body: bytes | None = None, headers: dict | None = None, conn=None):
+    """One raw HTTP exchange (on ``conn``, kept alive, when given): (status, headers, JSON body)."""
+    own = conn is None
+    conn = conn or http.client.HTTPConnection(server.host, server.port, timeout=60)
     conn.request(method, path, body=body, headers=headers or {})
     r = conn.getresponse()
     data = r.read()
-    conn.close()
+    if own:
+        conn.close()
     return r.status, dict(r.getheaders()), json.loads(data)
 
 
@@ -347,7 +349,9 @@ BAD_REQUESTS = [  # (what, method, path, body, status, code or param it must nam
     ("bad episode id", "POST", "/episodes/a%20b/v1/chat/completions", GOOD, 400, "id"),
     ("no episode in the URL", "POST", "/v1/chat/completions", GOOD, 404, "episode_required"),
     ("unknown path", "GET", "/v2/anything", None, 404, "not_found"),
+    ("unknown path with a body", "POST", "/v2/anything", GOOD, 404, "not_found"),
     ("wrong method", "GET", "/episodes/e/v1/chat/completions", None, 405, None),
+    ("wrong method with a body", "PUT", "/episodes/e/v1/chat/completions", GOOD, 405, None),
     ("reward not a number", "POST", "/episodes/e/reward", {"reward": "high"}, 400, "reward"),
     ("reward to no episode", "POST", "/episodes/nobody/reward", {"reward": 1.0}, 404, "episode_not_found"),
     ("too large", "POST", "/episodes/e/v1/chat/completions", b"{" + b" " * 5000 + b"}", 413, None),
@@ -357,20 +361,29 @@ BAD_REQUESTS = [  # (what, method, path, body, status, code or param it must nam
 def test_gateway_bad_requests_get_clear_openai_shaped_4xx(engine, scripted):
     """Guards against a bad request crashing the server or getting a vague answer: each gets
     its 4xx in OpenAI's error shape naming the bad field, with ``x-should-retry: false`` (the
-    openai client would otherwise retry); the server then still serves, and the openai client
+    openai client would otherwise retry), all on one kept-alive connection (an unread body
+    would be read as the next request); the server then still serves, and the openai client
     raises its typed error."""
     import openai
 
     gw, spy = make_gateway(engine, scripted, max_body_bytes=4096)
     with gw.serve() as server:
+        conn = http.client.HTTPConnection(server.host, server.port, timeout=60)  # kept alive throughout
         for what, method, path, body, status, named in BAD_REQUESTS:
             data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-            got, headers, reply = raw(server, method, path, data, {"Content-Type": "application/json"})
+            got, headers, reply = raw(server, method, path, data, {"Content-Type": "application/json"}, conn)
             assert got == status, f"{what}: {got} {reply}"
             err = reply["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["message"], what
             assert err["type"] == "invalid_request_error" and headers.get("x-should-retry") == "false", what
             assert named is None or named in (err["param"], err["code"]), f"{what}: names {err}"
+        assert raw(server, "GET", "/health", conn=conn)[0] == 200, "a refusal left the connection unusable"
+        conn.close()
+        with socket.create_connection((server.host, server.port), timeout=60) as sock:  # not even HTTP
+            sock.sendall(b"GET /a b HTTP/1.1\r\n\r\n")
+            reply = sock.makefile("rb").read()
+        assert reply.startswith(b"HTTP/") and b" 400 " in reply.split(b"\r\n")[0]
+        assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["type"] == "invalid_request_error"
         assert not spy.calls, "a refused request reached the engine"
         client = openai.OpenAI(base_url=server.base_url("e"), api_key="unused")
         with pytest.raises(openai.BadRequestError, match="n=1"):
