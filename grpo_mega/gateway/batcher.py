@@ -55,10 +55,13 @@ class Batcher:
         self._queue: queue.Queue[Optional[Job]] = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        self._closed = False
         self.calls = 0  # generate calls made (a test reads it: agents side by side share them)
 
     def submit(self, job: Job) -> Future:
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the gateway is closed")
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="gateway-engine", daemon=True)
                 self._thread.start()
@@ -66,7 +69,9 @@ class Batcher:
         return job.future
 
     def close(self) -> None:
+        """Serve what was submitted, then stop; later submissions raise."""
         with self._lock:
+            self._closed = True
             thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)

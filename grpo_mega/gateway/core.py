@@ -167,6 +167,10 @@ class Gateway:
             if ep.finished:
                 raise GatewayError(409, f"episode {episode_id!r} is finished; open a new one",
                                    code="episode_finished")
+            if ep.tools and not req.tools:
+                # A later call without tools (an agent's final "answer now" call): the tools stay
+                # in the prompt, which was rendered with them, and the reply is served as text.
+                req.tools, req.tool_choice = list(ep.tools), "none"
             plan = self._plan(ep, req)
             prompt = plan.engine_prompt(ep)
             sampling, step, key, overridden = self._sampling(req, ep)
@@ -225,7 +229,10 @@ class Gateway:
         return budget
 
     def _generate(self, job: Job) -> Sampled:
-        future = self.batcher.submit(job)
+        try:
+            future = self.batcher.submit(job)
+        except RuntimeError as e:
+            raise GatewayError(503, f"{e}; no more calls are served", code="gateway_closed") from None
         try:
             return future.result(timeout=self.config.request_timeout_s)
         except FutureTimeout:

@@ -254,9 +254,9 @@ def test_gateway_retry_and_branch_go_back_to_recorded_ids(engine, scripted):
 
 def test_gateway_rewritten_history_is_refused_or_restarted(engine, scripted):
     """Guards against training on a history the agent rewrote: an edited first turn or a
-    changed tool list, and a continuation of a reply cut at max_tokens, get a 409 (no
-    retries) and leave the record as it was; with on_rewrite='restart' the sample starts
-    again from the new messages and the earlier model tokens leave it."""
+    changed tool list get a 409 and leave the record as it was (a later call that merely
+    omits the tools is served, the tools kept in the prompt); with on_rewrite='restart' the
+    sample starts again from the new messages and the earlier model tokens leave it."""
     import openai
 
     _, _, codec = scripted
@@ -277,6 +277,11 @@ def test_gateway_rewritten_history_is_refused_or_restarted(engine, scripted):
                     client.chat.completions.create(model="m", messages=first + [r.choices[0].message, first[1]],
                                                    tools=TOOLS + [{"type": "function", "function": {"name": "x"}}])
                 assert (len(spy.calls), gw.episode("w").summary()) == before, "a refused call changed the record"
+                last = client.chat.completions.create(model="m", messages=first + [r.choices[0].message, first[1]],
+                                                      max_tokens=32)  # no tools: kept in the prompt, text reply
+                assert not last.choices[0].message.tool_calls and gw.episode("w").summary()["calls"] == 2
+                batch = gw.collect(["w"], default_reward=0.0)
+                assert batch.episode_info[0]["token_mismatch"] == 0 and batch.episode_info[0]["restarts"] == 0
                 continue
             r2 = client.chat.completions.create(model="m", messages=edited, tools=TOOLS, max_tokens=32)
             batch = gw.collect(["w"], default_reward=1.0)
