@@ -48,7 +48,7 @@ CHAT_TEMPLATE = (
 """User text as is; a tool call as ``[expression]``; a tool result followed by ``=``; every
 assistant turn ends with eos. There is no generation prompt."""
 
-CALL = re.compile(r"^\[([0-9*]{1,16})\]$")
+CALL = re.compile(r"^\[([0-9]{1,8}\*[0-9]{1,8})\]$")  # only well-formed calls: the tokenizer cannot spell error messages
 
 
 def parse_turn(text: str) -> dict:

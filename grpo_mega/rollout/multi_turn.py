@@ -168,7 +168,7 @@ def run_episodes(generate: Callable[..., RolloutBatch], codec: TurnCodec, make_e
                 break
             if not active and any_active is None:
                 break
-            samples, seconds_turn, mode = _sample_turn(generate, one, limits, active, step, turn, dummy_ids)
+            samples, seconds_turn, mode = _sample_turn(generate, codec, one, limits, active, step, turn, dummy_ids)
             seconds += seconds_turn
             logprobs_mode = mode or logprobs_mode
             _apply_turn(codec, active, samples, limits, turn, envs, share)
@@ -181,8 +181,9 @@ def run_episodes(generate: Callable[..., RolloutBatch], codec: TurnCodec, make_e
     return _to_batch(codec, episodes, g, seconds, logprobs_mode)
 
 
-def _sample_turn(generate, one: SamplingConfig, limits: EpisodeLimits, active: list[_Episode], step: int,
-                 turn: int, dummy_ids: Optional[list[int]]) -> tuple[dict, float, Optional[str]]:
+def _sample_turn(generate, codec: TurnCodec, one: SamplingConfig, limits: EpisodeLimits,
+                 active: list[_Episode], step: int, turn: int,
+                 dummy_ids: Optional[list[int]]) -> tuple[dict, float, Optional[str]]:
     """One generate call for every active episode whose next turn fits its budgets (the
     others end, finish "length"); a replica with none samples a discarded dummy token."""
     runnable = []
