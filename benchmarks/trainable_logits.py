@@ -7,18 +7,23 @@ What it measures
     tokens of which ``--trainable`` are the model's, in ``--turns`` turns spread over the
     episode (tool output between them, the last turn at the end), at a vocabulary of
     ``--vocab``. Per variant and length, in a FRESH child process (one at a time, so each
-    high-water mark is one variant's alone): peak extra memory = VmHWM after the work minus
-    the RSS just before it (model, batch and optimizer built; the mark reset after the
-    set-up), and the wall time of the second of two updates (the first warms up).
+    high-water mark is one variant's alone), from VmHWM (reset through ``clear_refs``):
+      update peak   the peak RSS of the whole update minus the RSS before it (model, batch
+                    and optimizer built);
+      logits peak   the peak from the moment the output layer is called (a forward
+                    pre-hook: the decoder's activations are alive and not counted) to the
+                    moment the gradient reaches its input hidden states (a tensor hook):
+                    the output layer, the logits, log-probs, entropy and their backward;
+      update s      the wall time of the second of two updates (the first warms up).
+    On this CPU the decoder's attention materialises ``[s, s]`` scores (the local layer
+    spec), so at 16k tokens the update's peak is the attention's backward in both variants;
+    with flash attention (GPU, TE) the logits are the largest part.
 
 Variants
-    all        ``all_positions=True``: logits ``[tokens, V]`` and their gradient.
+    all        ``all_positions=True`` (the path before): logits ``[tokens, V]`` and their gradient.
     trainable  the default: logits ``[K, V]`` at the K trainable positions only.
-    floor      the same update with nothing trainable (K = 0): the decoder alone, so
-               ``peak - floor`` is what the logits cost (the attention scores of a 16k
-               episode are the same in every variant and would hide it otherwise).
 
-Run (the ``all`` variant at 16k tokens x 128k vocab needs about 10 GB of RAM; a few minutes):
+Run (the ``all`` variant at 16k tokens x 128k vocab needs about 12 GB of RAM; 4 minutes):
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainable_logits.py
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/trainable_logits.py --lengths 2048 --vocab 32000 --trainable 256
 """
@@ -29,13 +34,18 @@ import multiprocessing as mp
 import os
 import time
 
-VARIANTS = ("all", "trainable", "floor")
+VARIANTS = ("all", "trainable")
 
 
 def _high_water_mark() -> int:
     """Peak RSS in bytes since the last reset (VmHWM; ``clear_refs`` 5 resets it, Linux >= 4.0)."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
+
+
+def _reset_high_water_mark() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def episode_mask(tokens: int, trainable: int, turns: int):
@@ -71,22 +81,34 @@ def _work(variant: str, tokens: int, args, queue) -> None:
     opt = ParallelAdamW(model, OptimizerConfig(lr=1e-7), ps)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (1, tokens), generator=g)
-    mask = episode_mask(tokens, 0 if variant == "floor" else args.trainable, args.turns)
+    mask = episode_mask(tokens, args.trainable, args.turns)
     batch = TrainingBatch(tokens=ids, targets=ids[:, 1:], loss_mask=mask, advantages=torch.ones(1),
                           rollout_logp=torch.zeros(1, tokens - 1), seq_lens=[tokens])
     algo = AlgorithmConfig(kl_coef=0.0)
     kw = dict(vocab_size=args.vocab, temperature=args.temperature, max_len=args.trainable,
               reuse_current_as_old=True, chunk_size=args.chunk_size, all_positions=variant == "all")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    rss_before = psutil.Process().memory_info().rss
+    rss = psutil.Process().memory_info
+    marks = {"peak": 0}
+
+    def at_output_layer(module, inputs):
+        # registered before the update's own hook, so it sees the whole [s, b, h] input
+        marks["peak"] = max(marks["peak"], _high_water_mark())
+        _reset_high_water_mark()
+        marks["head_start"] = rss().rss
+        if inputs[0].requires_grad:
+            inputs[0].register_hook(lambda grad: marks.__setitem__("head_peak", _high_water_mark()))
+
+    model.output_layer.register_forward_pre_hook(at_output_layer)
+    _reset_high_water_mark()
+    rss_before = rss().rss
     times = []
     for _ in range(2):  # a warm-up (Adam's state is made there), then the timed update
         t0 = time.perf_counter()
         update_policy(model, opt, [batch], ps, algo, **kw)
         times.append(time.perf_counter() - t0)
-    peak = _high_water_mark()
-    queue.put(dict(extra=peak - rss_before, time=times[-1], k=int(mask.sum())))
+    peak = max(marks["peak"], _high_water_mark())
+    queue.put(dict(extra=peak - rss_before, logits=marks["head_peak"] - marks["head_start"],
+                   time=times[-1], rows=tokens if variant == "all" else int(mask.sum())))
 
 
 def main():
@@ -119,18 +141,15 @@ def main():
     gib = 2 ** 30
     print(f"one update, TP=1, {args.dtype}, vocab {args.vocab}, hidden {args.hidden}, "
           f"{args.trainable} trainable tokens in {args.turns} turns, chunk {args.chunk_size}")
-    print(f"| tokens | variant | rows at the output layer | peak extra GiB | minus floor GiB | update s |"
-          f" vs all (memory, time) |")
+    print("| tokens | variant | rows at the output layer | update peak GiB | logits peak GiB | update s |"
+          " vs all: update peak, logits peak, time |")
     print("|---:|---|---:|---:|---:|---:|---|")
     for (tokens, v), r in rows.items():
-        floor = rows.get((tokens, "floor"), {}).get("extra")
         base = rows.get((tokens, "all"))
-        over = "" if floor is None else f"{(r['extra'] - floor) / gib:.2f}"
-        ratio = (f"{r['extra'] / base['extra']:.2f}x, {r['time'] / base['time']:.2f}x"
-                 if base and v != "all" else "")
-        n = tokens if v == "all" else r["k"]
-        print(f"| {tokens} | {v} | {n} | {r['extra'] / gib:.2f} | {over} | {r['time']:.2f} | {ratio} |")
-
+        ratio = (f"{r['extra'] / base['extra']:.2f}x, {r['logits'] / base['logits']:.3f}x, "
+                 f"{r['time'] / base['time']:.2f}x" if base and v != "all" else "")
+        print(f"| {tokens} | {v} | {r['rows']} | {r['extra'] / gib:.2f} | {r['logits'] / gib:.3f} | "
+              f"{r['time']:.2f} | {ratio} |")
 
 if __name__ == "__main__":
     main()

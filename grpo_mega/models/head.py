@@ -22,7 +22,8 @@ that call, as megatron's own last-token inference path does in ``GPTModel._postp
 
 Pipeline parallelism: only the last stage has an output layer; elsewhere the context does
 nothing. The output layer is megatron's (not a TE GEMM, never FP8), so K needs no padding.
-Finding K costs one host sync per micro-batch (``nonzero``).
+Finding the rows costs a host sync per forward (``nonzero``), as does the loss's
+``targets[loss_mask]``: a few per micro-batch, against a ``[K, V/tp]`` GEMM.
 """
 from __future__ import annotations
 
