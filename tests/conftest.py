@@ -79,8 +79,11 @@ def leftovers(grace_s: float = GRACE_S) -> tuple[list[str], list[str]]:
             pass
     # Our vLLM segments by this session's tag (not other jobs' on a shared machine); any
     # other file new since the session started (vLLM's psm_* queues, weight files) by age.
+    # POSIX semaphores (sem.*) are left out: glibc maps them under a temporary name, so no
+    # process ever shows them in /proc/*/maps, and removing them broke other sessions' live
+    # multiprocessing queues on a shared machine (SemLock._rebuild FileNotFoundError).
     ours = f"{cpu_shm.PREFIX}{_SESSION[:6]}"
-    shm = cpu_shm.stale_segments(match=lambda n: n not in _SHM_BEFORE and (
+    shm = cpu_shm.stale_segments(match=lambda n: n not in _SHM_BEFORE and not n.startswith("sem.") and (
         n.startswith(ours) or not n.startswith(cpu_shm.PREFIX)))
     for s in shm:
         s.unlink(missing_ok=True)

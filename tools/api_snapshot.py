@@ -67,6 +67,11 @@ SPECS = {
                                          ("get_gpt_layer_local_submodules", "get_gpt_layer_local_spec")),
             "GPTModel.__init__": ("megatron/core/models/gpt/gpt_model.py", "GPTModel", "__init__"),
             "initialize_model_parallel": ("megatron/core/parallel_state.py", None, "initialize_model_parallel"),
+            # models/head.py: the output layer's input swapped by a pre-hook, SP-gathered first
+            "ColumnParallelLinear.forward": ("megatron/core/tensor_parallel/layers.py", "ColumnParallelLinear",
+                                             "forward"),
+            "gather_from_sequence_parallel_region": ("megatron/core/tensor_parallel/mappings.py", None,
+                                                     "gather_from_sequence_parallel_region"),
             "DistributedDataParallel.__init__": ("megatron/core/distributed/distributed_data_parallel.py",
                                                  "DistributedDataParallel", "__init__"),
             "get_megatron_optimizer": ("megatron/core/optimizer/__init__.py", None, "get_megatron_optimizer"),

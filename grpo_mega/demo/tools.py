@@ -48,7 +48,9 @@ CHAT_TEMPLATE = (
 """User text as is; a tool call as ``[expression]``; a tool result followed by ``=``; every
 assistant turn ends with eos. There is no generation prompt."""
 
-CALL = re.compile(r"^\[([0-9*]{1,16})\]$")
+CALL = re.compile(r"^\[((?:0|[1-9][0-9]{0,7})\*(?:0|[1-9][0-9]{0,7}))\]$")
+"""A well-formed call only (no leading zeros: the calculator refuses ``07``): the demo's
+tokenizer cannot spell the calculator's error messages, so anything else is an answer."""
 
 
 def parse_turn(text: str) -> dict:

@@ -28,6 +28,12 @@ so its share of the gradient sent back is zero and never reaches either model.
 forward of that micro-batch on every stage (not the reference's): MoE routing replay
 records or forces each stage's routing there (``grpo_mega.models.routing``).
 
+``logits_at(model, mb)``, when given, returns a context manager entered around every forward
+of ``mb``, the policy's and the reference's, on every stage: the trainer's
+``models.head.trainable_logits`` makes the last stage's output layer score only the
+positions whose next token is trainable, so ``loss_fn`` gets logits ``[1, K, V_pad/tp]``
+(and the reference's likewise) instead of ``[b, s, V_pad/tp]``.
+
 ``loss`` must already be normalised by the *global* batch (the schedule is told
 not to divide by the number of micro-batches); ``outputs`` are detached values.
 """
@@ -53,11 +59,13 @@ def _tokens(mb: Any) -> torch.Tensor:
 
 def run_microbatches(model, micro_batches: list[Any], loss_fn: Callable, ps: ParallelState,
                      *, forward_only: bool, reference=None,
-                     around_forward: Optional[Callable[[Any], ContextManager]] = None) -> list[dict]:
+                     around_forward: Optional[Callable[[Any], ContextManager]] = None,
+                     logits_at: Optional[Callable[[Any, Any], ContextManager]] = None) -> list[dict]:
     """Each ``mb`` holds at least ``tokens: [b, s]`` (long). Returns ``loss_fn`` outputs
     per micro-batch on the last stage, ``[]`` on other stages. ``reference``: a frozen
     model whose logits shard of each micro-batch is passed to ``loss_fn`` (any PP).
-    ``around_forward(mb)``: a context manager around the policy's forward of ``mb``."""
+    ``around_forward(mb)``: a context manager around the policy's forward of ``mb``.
+    ``logits_at(model, mb)``: one around each model's forward of ``mb`` (see above)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
@@ -68,6 +76,9 @@ def run_microbatches(model, micro_batches: list[Any], loss_fn: Callable, ps: Par
     config.variable_seq_lengths = ps.pp > 1
     # The schedule's p2p buffers use this dtype for activations.
     config.pipeline_dtype = next(model.parameters()).dtype
+
+    def _at(m, mb) -> ContextManager:
+        return logits_at(m, mb) if logits_at is not None else contextlib.nullcontext()
 
     def loss_func(mb, ref_logits, output_tensor):
         extra = () if ref_logits is None else (ref_logits,)
@@ -81,11 +92,13 @@ def run_microbatches(model, micro_batches: list[Any], loss_fn: Callable, ps: Par
         b, s = tokens.shape
         pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
         mask = causal_mask(s, tokens.device)
-        with around_forward(mb) if around_forward is not None else contextlib.nullcontext():
-            out = model.module(tokens, pos, mask) if piped else model(tokens, pos, mask)
+        policy = model.module if piped else model
+        with around_forward(mb) if around_forward is not None else contextlib.nullcontext(), \
+                _at(policy, mb):
+            out = policy(tokens, pos, mask)
         ref_logits = None
         if reference is not None:
-            with torch.no_grad():
+            with torch.no_grad(), _at(reference, mb):
                 ref_logits = reference(tokens, pos, mask)
             if piped and not ps.is_last_stage:
                 # Hidden states [s, b, h] of both models go to the next stage as one tensor.

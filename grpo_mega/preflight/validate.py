@@ -100,6 +100,27 @@ def _check_rewards(cfg: Config) -> None:
                               f"be called with them: {problem} (--reward.kwargs)")
 
 
+def _check_env(cfg: Config) -> None:
+    """A multi-turn environment resolves and takes its kwargs; its limits are sane."""
+    e = cfg.env
+    if not e.name:
+        return
+    from grpo_mega.envs import check_env_kwargs, resolve_env
+
+    try:
+        problem = check_env_kwargs(resolve_env(e.name), e.kwargs)
+    except (KeyError, ImportError, AttributeError) as err:
+        raise ConfigError(f"env.name={e.name!r}: {err} (--env.name)") from None
+    if problem:
+        raise ConfigError(f"env.kwargs={e.kwargs}: environment {e.name!r}: {problem} (--env.kwargs)")
+    if not 1 <= e.max_turns < 1000 or e.max_tokens < 1:
+        raise ConfigError(f"env.max_turns={e.max_turns} must be in 1..999 and env.max_tokens={e.max_tokens} "
+                          ">= 1 (--env.max_turns, --env.max_tokens)")
+    if cfg.algorithm.advantage == "process":
+        raise ConfigError("algorithm.advantage=process scores reasoning steps of one response; with "
+                          "env.name the environment gives each episode one reward (--algorithm.advantage=outcome)")
+
+
 RECOMPUTE = ("none", "selective", "full")
 """``model.recompute`` values: megatron's recompute granularities, plus none."""
 
@@ -319,6 +340,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
         raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}")
     _check_moe(cfg)
     _check_rewards(cfg)
+    _check_env(cfg)
     if a.advantage == "process" and a.dynamic_sampling:
         # DAPO's filter judges a group by one reward per sample; a group whose samples
         # share a mean step score can still carry step-level signal.

@@ -30,6 +30,7 @@ in tests, which assert zero.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -37,6 +38,8 @@ from grpo_mega.envs.types import Environment, Message
 from grpo_mega.rollout.types import RolloutBatch, SamplingConfig
 
 __all__ = ["EpisodeLimits", "TurnCodec", "run_episodes", "TURN_SEED_STRIDE"]
+
+log = logging.getLogger(__name__)
 
 TURN_SEED_STRIDE = 1000
 """Turn t of step s draws its seeds with the key ``s * TURN_SEED_STRIDE + t`` (so
@@ -168,7 +171,7 @@ def run_episodes(generate: Callable[..., RolloutBatch], codec: TurnCodec, make_e
                 break
             if not active and any_active is None:
                 break
-            samples, seconds_turn, mode = _sample_turn(generate, one, limits, active, step, turn, dummy_ids)
+            samples, seconds_turn, mode = _sample_turn(generate, codec, one, limits, active, step, turn, dummy_ids)
             seconds += seconds_turn
             logprobs_mode = mode or logprobs_mode
             _apply_turn(codec, active, samples, limits, turn, envs, share)
@@ -181,8 +184,9 @@ def run_episodes(generate: Callable[..., RolloutBatch], codec: TurnCodec, make_e
     return _to_batch(codec, episodes, g, seconds, logprobs_mode)
 
 
-def _sample_turn(generate, one: SamplingConfig, limits: EpisodeLimits, active: list[_Episode], step: int,
-                 turn: int, dummy_ids: Optional[list[int]]) -> tuple[dict, float, Optional[str]]:
+def _sample_turn(generate, codec: TurnCodec, one: SamplingConfig, limits: EpisodeLimits,
+                 active: list[_Episode], step: int, turn: int,
+                 dummy_ids: Optional[list[int]]) -> tuple[dict, float, Optional[str]]:
     """One generate call for every active episode whose next turn fits its budgets (the
     others end, finish "length"); a replica with none samples a discarded dummy token."""
     runnable = []
@@ -254,6 +258,9 @@ def _to_batch(codec: TurnCodec, episodes: list[_Episode], g: int, seconds: float
                          group_size=g, logprobs_mode=logprobs_mode, seconds=seconds)
     for e in episodes:
         problems = codec.check(e.prompt_ids, e.segments, e.messages, e.tools, e.ids, e.mask, e.cut)
+        if problems:  # counted in the metrics; the first one of each episode is logged, whole
+            log.warning("multi-turn episode %d (prompt %d) is not token-exact: %s", e.key, e.prompt_index,
+                        problems[0])
         batch.prompt_ids.append(e.prompt_ids)
         batch.response_ids.append(e.ids)
         batch.logprobs.append(e.logprobs)

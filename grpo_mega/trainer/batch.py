@@ -35,6 +35,7 @@ from grpo_mega.algorithms.vocab_parallel_triton import fused_logprobs_entropy
 from grpo_mega.distributed.schedule import run_microbatches
 from grpo_mega.distributed.state import ParallelState
 from grpo_mega.models import routing as R
+from grpo_mega.models.head import trainable_logits
 
 _PER_TOKEN = ("targets", "loss_mask", "rollout_logp", "old_logp", "ref_logp")
 
@@ -159,6 +160,35 @@ class TrainingBatch:
         return [self.slice(i, min(i + size, len(self))) for i in range(0, len(self), size)]
 
 
+def _logits_at(all_positions: bool):
+    """The schedule's ``logits_at``: the output layer at the trainable positions only
+    (``models.head``), or None for every position (``all_positions``, the path before)."""
+    return None if all_positions else (lambda model, mb: trainable_logits(model, mb.loss_mask))
+
+
+def _scored_targets(logits: Tensor, mb: TrainingBatch, all_positions: bool) -> Tensor:
+    """The targets of the positions ``logits`` holds: ``[b, s]`` for ``[b, s, V/tp]`` (the
+    last position padded, see ``_with_last_target``), else ``[1, K]`` for the trainable
+    positions' ``[1, K, V/tp]`` (``models.head.trainable_logits``)."""
+    if all_positions:
+        return _with_last_target(mb.targets)
+    tgt = mb.targets[mb.loss_mask].unsqueeze(0)
+    if logits.shape[:-1] != tgt.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} are not the [1, K={tgt.shape[1]}, V/tp] of the "
+                         "micro-batch's trainable positions: run the model inside "
+                         "models.head.trainable_logits, or pass all_positions=True")
+    return tgt
+
+
+def _to_grid(x: Tensor, mb: TrainingBatch, all_positions: bool) -> Tensor:
+    """Per-position values of the scored positions -> ``[b, s-1]``: ``[b, s]`` rows lose the
+    last position; ``[1, K]`` values go to the trainable positions, 0 elsewhere (with their
+    gradient: ``masked_scatter`` routes it back to the packed values)."""
+    if all_positions:
+        return x[:, :-1]
+    return x.new_zeros(mb.loss_mask.shape).masked_scatter(mb.loss_mask, x.reshape(-1))
+
+
 def _with_last_target(tgt: Tensor) -> Tensor:
     """[b, s-1] targets -> [b, s], a 0 appended to each row. The logits at the last position
     predict nothing, but taking ``logits[:, :-1]`` of a [b, s, V/tp] shard (b > 1) is not a
@@ -173,60 +203,72 @@ def _sampling_kw(vocab_size: int, temperature: float, chunk_size: Optional[int])
     return dict(vocab_size=vocab_size, temperature=temperature, chunk_size=chunk_size)
 
 
-def _logprobs_entropy(logits: Tensor, tgt: Tensor, ps: ParallelState, *, vocab_size: int,
+def _logprobs_entropy(logits: Tensor, mb: TrainingBatch, ps: ParallelState, *, vocab_size: int,
                       temperature: float, fused: bool, entropy: bool = True,
-                      chunk_size: Optional[int] = None):
-    """(logp, entropy or None), each [b, s-1], of the sampling distribution, for logits
-    [b, s, V_pad/tp] and targets [b, s-1]. ``fused``: the Triton kernel reads the bf16
-    shard directly; otherwise the vocab-parallel functions read it ``chunk_size`` tokens
-    at a time (None: all at once). Entropy is a metric here, so it carries no gradient."""
+                      chunk_size: Optional[int] = None, all_positions: bool = False):
+    """(logp, entropy or None), each [b, s-1] (0 where nothing was scored), of the sampling
+    distribution, for the logits of ``mb``: ``[1, K, V_pad/tp]`` at its trainable positions,
+    or ``[b, s, V_pad/tp]`` with ``all_positions``. ``fused``: the Triton kernel reads the
+    bf16 shard directly; otherwise the vocab-parallel functions read it ``chunk_size``
+    tokens at a time (None: all at once). Entropy is a metric here, so it carries no gradient."""
+    tgt = _scored_targets(logits, mb, all_positions)
     if fused:
-        logp, ent = fused_logprobs_entropy(logits[:, :-1], tgt, ps.tp_group,
+        logp, ent = fused_logprobs_entropy(logits, tgt, ps.tp_group,
                                            temperature=temperature, vocab_size=vocab_size)
-        return logp, ent.detach() if entropy else None
+        return _to_grid(logp, mb, all_positions), (_to_grid(ent.detach(), mb, all_positions)
+                                                   if entropy else None)
     kw = _sampling_kw(vocab_size, temperature, chunk_size)
-    logp = A.vocab_parallel_logprobs(logits, _with_last_target(tgt), ps.tp_group, **kw)[:, :-1]
+    logp = _to_grid(A.vocab_parallel_logprobs(logits, tgt, ps.tp_group, **kw), mb, all_positions)
     if not entropy:
         return logp, None
     with torch.no_grad():
-        return logp, A.vocab_parallel_entropy(logits.detach(), ps.tp_group, **kw)[:, :-1]
+        ent = A.vocab_parallel_entropy(logits.detach(), ps.tp_group, **kw)
+    return logp, _to_grid(ent, mb, all_positions)
 
 
 def compute_logprobs(model, micro: list[TrainingBatch], ps: ParallelState, *, vocab_size: int,
                      temperature: float, key: str, fused: bool = False,
-                     chunk_size: Optional[int] = None, record_routing: bool = False) -> None:
+                     chunk_size: Optional[int] = None, record_routing: bool = False,
+                     all_positions: bool = False) -> None:
     """Forward-only pass; on the last stage writes each micro-batch's log-probs into its
     ``key`` tensor ("old_logp" / "ref_logp"), a view of the step's batch (allocate it
-    with ``empty_logp`` before slicing). ``chunk_size``: tokens per block of the logits
-    shard (``algorithm.logits_chunk_size``). ``record_routing``: every stage also writes
-    its MoE layers' routing into ``mb.routed_experts`` (allocate with ``empty_routing``)."""
+    with ``empty_logp`` before slicing), at the trainable positions (``loss_mask``; 0
+    elsewhere). ``chunk_size``: tokens per block of the logits shard
+    (``algorithm.logits_chunk_size``). ``record_routing``: every stage also writes its MoE
+    layers' routing into ``mb.routed_experts`` (allocate with ``empty_routing``).
+    ``all_positions``: run the output layer at every position, as before
+    ``models.head`` (for comparisons: the same values, far more memory)."""
 
     def loss_fn(logits, mb: TrainingBatch):
-        logp, _ = _logprobs_entropy(logits, mb.targets, ps, vocab_size=vocab_size,
+        logp, _ = _logprobs_entropy(logits, mb, ps, vocab_size=vocab_size,
                                     temperature=temperature, fused=fused, entropy=False,
-                                    chunk_size=chunk_size)
+                                    chunk_size=chunk_size, all_positions=all_positions)
         getattr(mb, key).copy_(logp)
         return logits.new_zeros(()), {}
 
     around = (lambda mb: R.recording(model, mb.routed_experts)) if record_routing else None
-    run_microbatches(model, micro, loss_fn, ps, forward_only=True, around_forward=around)
+    run_microbatches(model, micro, loss_fn, ps, forward_only=True, around_forward=around,
+                     logits_at=_logits_at(all_positions))
 
 
 def micro_loss(logits: Tensor, mb: TrainingBatch, ps: ParallelState, algo, *,
                ref_logits: Optional[Tensor] = None, vocab_size: int, temperature: float,
                max_len: int, reuse_current_as_old: bool, global_tokens: int, global_seqs: int,
-               fused: bool = False, chunk_size: Optional[int] = None) -> tuple[Tensor, dict, Tensor]:
-    """The GRPO loss of one micro-batch from its logits shard ``logits: [b, s, V_pad/tp]``
-    (and ``ref_logits``, same shape, when ``algo.kl_kind`` needs them): its share of the
-    mini-batch's loss over ``global_tokens`` / ``global_seqs``. Returns (loss, the metrics
-    of ``policy_loss``, logp [b, s-1] of the sampling distribution)."""
-    logp, entropy = _logprobs_entropy(logits, mb.targets, ps, vocab_size=vocab_size,
-                                      temperature=temperature, fused=fused, chunk_size=chunk_size)
+               fused: bool = False, chunk_size: Optional[int] = None,
+               all_positions: bool = False) -> tuple[Tensor, dict, Tensor]:
+    """The GRPO loss of one micro-batch from its logits shard ``logits: [1, K, V_pad/tp]`` at
+    its K trainable positions (``models.head.trainable_logits``), or ``[b, s, V_pad/tp]``
+    with ``all_positions`` (and ``ref_logits``, same shape, when ``algo.kl_kind`` needs
+    them): its share of the mini-batch's loss over ``global_tokens`` / ``global_seqs``.
+    Returns (loss, the metrics of ``policy_loss``, logp [b, s-1] of the sampling
+    distribution, 0 where nothing was scored)."""
+    logp, entropy = _logprobs_entropy(logits, mb, ps, vocab_size=vocab_size, temperature=temperature,
+                                      fused=fused, chunk_size=chunk_size, all_positions=all_positions)
     kl = None
     if ref_logits is not None:
         # Same sampling distribution (padding mask, temperature) for both policies.
-        kl = A.exact_kl(algo.kl_kind, logits, ref_logits, ps.tp_group,
-                        **_sampling_kw(vocab_size, temperature, chunk_size))[:, :-1]
+        kl = _to_grid(A.exact_kl(algo.kl_kind, logits, ref_logits, ps.tp_group,
+                                 **_sampling_kw(vocab_size, temperature, chunk_size)), mb, all_positions)
     old = logp.detach() if reuse_current_as_old else mb.old_logp
     loss, m = A.policy_loss(
         logp, old, mb.advantages, mb.loss_mask,
@@ -244,7 +286,7 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
                   vocab_size: int, temperature: float, max_len: int,
                   reuse_current_as_old: bool, fused: bool = False,
                   reference=None, chunk_size: Optional[int] = None,
-                  replay_routing: bool = False) -> dict[str, Tensor | float]:
+                  replay_routing: bool = False, all_positions: bool = False) -> dict[str, Tensor | float]:
     """One optimizer step over ``micro`` (this DP rank's share of a mini-batch).
 
     The loss of each micro-batch is its share of the global mini-batch mean
@@ -266,6 +308,11 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
 
     ``replay_routing``: the policy's MoE routers take each micro-batch's
     ``mb.routed_experts`` instead of their own top-k (the reference routes itself).
+
+    The output layer of the policy (and of the reference) runs only at the positions whose
+    next token is trainable (``models.head``): logits and their gradient are ``[K, V/tp]``
+    per micro-batch, K its trainable tokens, whatever the prompt or tool-output length.
+    ``all_positions``: every position, as before (for comparisons).
     """
     tokens, seqs = A.global_batch_counts([mb.loss_mask for mb in micro], ps.dp_group if ps.dp > 1 else None)
     exact = algo.kl_coef > 0 and A.kl_needs_logits(algo.kl_kind)
@@ -277,7 +324,8 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
         loss, m, logp = micro_loss(logits, mb, ps, algo, ref_logits=ref_logits if exact else None,
                                    vocab_size=vocab_size, temperature=temperature, max_len=max_len,
                                    reuse_current_as_old=reuse_current_as_old, global_tokens=tokens,
-                                   global_seqs=seqs, fused=fused, chunk_size=chunk_size)
+                                   global_seqs=seqs, fused=fused, chunk_size=chunk_size,
+                                   all_positions=all_positions)
         # float64 on the device: the same sums the host used to do in Python floats.
         n_valid = mb.loss_mask.sum().double()
         gap = ((logp.detach() - mb.rollout_logp).abs() * mb.loss_mask).sum().double()
@@ -289,7 +337,8 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
     optimizer.zero_grad()
     around = (lambda mb: R.replaying(model, mb.routed_experts)) if replay_routing else None
     outs = run_microbatches(model, micro, loss_fn, ps, forward_only=False,
-                            reference=reference if exact else None, around_forward=around)
+                            reference=reference if exact else None, around_forward=around,
+                            logits_at=_logits_at(all_positions))
     info = optimizer.step()
     sums: dict[str, Tensor] = {}
     for o in outs:

@@ -102,6 +102,7 @@ CALLEES = {
     "McoreOptimizerConfig": ("fields", "OptimizerConfig"),
     "get_megatron_optimizer": ("sig", "get_megatron_optimizer"),
     "initialize_model_parallel": ("sig", "initialize_model_parallel"),
+    "gather_from_sequence_parallel_region": ("sig", "gather_from_sequence_parallel_region"),
     "dist_checkpointing.save": ("sig", "dist_checkpointing.save"),
     "dist_checkpointing.load": ("sig", "dist_checkpointing.load"),
     "dist_checkpointing.load_tensors_metadata": ("sig", "dist_checkpointing.load_tensors_metadata"),
@@ -167,3 +168,15 @@ def test_gpu_ready_gpt_model_rope_keywords_fit_megatron_019():
         m = dataclasses.replace(ModelConfig(**BASE), rope_scaling=scaling, rope_scaling_factor=4.0)
         unknown = sorted(set(gpt_model_rope_kwargs(m)) - set(sig.parameters))
         assert not unknown, (scaling, unknown)
+
+
+def test_gpu_ready_output_layer_takes_hidden_states_first_in_megatron_019():
+    """Guards ``models/head.py``'s pre-hook, which swaps the first positional argument of the
+    output layer (``ColumnParallelLinear.forward(input_, weight=, runtime_gather_output=)``,
+    as ``GPTModel._postprocess`` calls it) for the selected rows: in 0.19.2 that argument
+    must still be the hidden states, and ``weight`` (the tied embedding) a keyword."""
+    params = [p["name"] for p in SNAP["signatures"]["ColumnParallelLinear.forward"]]
+    assert params[:2] == ["self", "input_"], params
+    assert {"weight", "runtime_gather_output"} <= set(params), params
+    _bind("gather_from_sequence_parallel_region", ("hidden",),
+          dict(tensor_parallel_output_grad=False, group="tp"))

@@ -94,3 +94,18 @@ def test_demo_verbose_keeps_python_warnings(monkeypatch):
     assert demo_env([])["PYTHONWARNINGS"] == "ignore"
     assert "PYTHONWARNINGS" not in demo_env(["--verbose"])
     assert "PYTHONWARNINGS" not in demo_env(["--logging.verbose=true"])
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--env.name=calculatr"], "--env.name"),
+    (["--env.name=calculator", "--env.kwargs={max_turn: 2}"], "max_turn"),
+    (["--env.name=calculator", "--algorithm.advantage=process"], "--algorithm.advantage=outcome"),
+])
+def test_multi_turn_env_mistakes_are_refused_at_start_up_naming_the_flag(flags, needle):
+    """Guards against a misspelt environment or kwarg (or process supervision, which has
+    no per-step scores in episodes) surfacing only after the models and the engine are
+    built: validation refuses it and names the flag that fixes it."""
+    cfg = load_config(str(REPO / "grpo_mega/configs/demo_tools.yaml"), flags)
+    with pytest.raises(ConfigError, match=needle.replace("{", r"\{")):
+        validate(cfg, 2)
+    validate(load_config(str(REPO / "grpo_mega/configs/demo_tools.yaml")), 2)

@@ -3,7 +3,8 @@ pipeline schedule at TP=2 over gloo, with the reference model run inside the sch
 each micro-batch, against the same update computed directly on the whole batch with
 gathered, unsharded float64 logits (full-vocabulary KL written from scratch).
 
-One launch of 2 ranks runs every check; the tests below each assert one part of it.
+One launch of 2 ranks runs every check; the tests below each assert one part of it. The
+same launch then runs ``test_trainable_logits.py``'s checks.
 """
 from __future__ import annotations
 
@@ -137,9 +138,20 @@ def _full_kl_rank(rank, world):
             "ref_unchanged": ref_unchanged}
 
 
+def _shared_rank(rank, world):
+    from tests.unit.trainer.test_trainable_logits import trainable_rank
+
+    return {"full_kl": _full_kl_rank(rank, world), "trainable": trainable_rank(rank, world)}
+
+
 @functools.lru_cache(maxsize=None)
+def shared_launch():
+    """One launch for this file and ``test_trainable_logits.py`` (each launch costs 10-20 s)."""
+    return run_ranks(2, _shared_rank, timeout=300)
+
+
 def _launch():
-    return run_ranks(2, _full_kl_rank, timeout=300)
+    return [r["full_kl"] for r in shared_launch()]
 
 
 @pytest.mark.slow

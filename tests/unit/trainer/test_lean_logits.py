@@ -88,7 +88,7 @@ def _checks(group) -> dict:
         x = near_pad.clone().requires_grad_()
         micro_loss(x, b, ps, algo, vocab_size=VOCAB, temperature=0.7, max_len=8,
                    reuse_current_as_old=True, global_tokens=counts[0], global_seqs=counts[1],
-                   chunk_size=4)[0].backward()
+                   chunk_size=4, all_positions=True)[0].backward()
         res[f"{key}_grad"] = bool(torch.equal(x.grad, x0.grad))
     for kind in ("k3", "full"):
         algo = AlgorithmConfig(kl_coef=0.3, kl_kind=kind, clip_low=0.2, clip_high=0.28)
@@ -102,7 +102,7 @@ def _checks(group) -> dict:
                 loss, m, logp = micro_loss(x, b, ps, algo, ref_logits=ref, vocab_size=VOCAB,
                                            temperature=temp, max_len=8, reuse_current_as_old=True,
                                            global_tokens=counts[0], global_seqs=counts[1],
-                                           chunk_size=chunk)
+                                           chunk_size=chunk, all_positions=True)
                 loss.backward()
                 key = f"{kind}_T{temp}_chunk{chunk}"
                 res[f"{key}_loss"] = bool(torch.equal(loss, loss0))
