@@ -186,8 +186,9 @@ def _logprob_loss(ps, vocab_size: int, fused: bool):
     from grpo_mega.trainer.batch import _logprobs_entropy
 
     def loss_fn(logits, mb):
-        logp, _ = _logprobs_entropy(logits, mb.targets, ps, vocab_size=vocab_size, temperature=1.0,
-                                    fused=fused)
+        # run_microbatches without logits_at: the full [b, s, V/tp] shard (every position)
+        logp, _ = _logprobs_entropy(logits, mb, ps, vocab_size=vocab_size, temperature=1.0,
+                                    fused=fused, all_positions=True)
         return -logp.mean(), {}
     return loss_fn
 

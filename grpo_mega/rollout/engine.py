@@ -47,10 +47,9 @@ torch.distributed world ``external_launcher`` when every replica is a block of
 consecutive ranks (always so for the trainer's ``engine_block`` groups), else
 ``child``.
 
-CPU (no GPU): dtype float32, eager mode, a small ``max_model_len``,
-``VLLM_CPU_KVCACHE_SPACE`` and ``HF_HUB_OFFLINE`` are set automatically.
-Note that vLLM's CPU worker replaces ``torch.set_num_threads`` in the process
-that hosts it (``inprocess``/``external_launcher``): set threads before.
+CPU (no GPU): dtype float32, eager mode, a small ``max_model_len``, ``VLLM_CPU_KVCACHE_SPACE``
+and ``HF_HUB_OFFLINE`` are set automatically. vLLM's CPU worker replaces
+``torch.set_num_threads`` in the process that hosts it: set threads before.
 
 Logprobs: vLLM's default ``raw_logprobs`` are computed before temperature.
 When the engine's sampling uses temperature != 1 (or top-p/top-k) the engine
@@ -190,7 +189,6 @@ class RolloutEngine(SleepPhases):
     # -- construction ----------------------------------------------------
     def _replica_layout(self) -> list[int]:
         import torch.distributed as dist
-
         _, world = _dist_world()
         if world == 1:
             if self.dp_size != 1:
@@ -215,9 +213,17 @@ class RolloutEngine(SleepPhases):
     @property
     def holds_engine(self) -> bool:
         """Whether this rank hosts (part of) an engine."""
-        if self.mode == "child":
-            return _dist_world()[0] == self._replica_ranks[0]
-        return True
+        return self.mode != "child" or _dist_world()[0] == self.replica_leader
+
+    @property
+    def replica_leader(self) -> int:
+        """Global rank of this replica's first rank (multi-turn environments run there)."""
+        return self._replica_ranks[0]
+
+    @property
+    def lockstep(self) -> bool:
+        """Whether the replicas must call ``generate`` together (vLLM's data-parallel launcher)."""
+        return self.mode == "external_launcher" and self.dp_size > 1
 
     def _llm_kwargs(self) -> dict[str, Any]:
         cfg = self.config

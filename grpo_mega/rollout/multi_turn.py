@@ -298,13 +298,12 @@ def generate_episodes(engine, global_rows: Sequence[dict], codec: TurnCodec, mak
     def generate(prompts, s, *, step, keys, budgets):
         return engine.generate(prompts, s, step=step, keys=keys, budgets=budgets)
 
-    engine.calls.append("episodes")
-    lockstep = any_active if engine.mode == "external_launcher" and engine.dp_size > 1 else None
+    lockstep = any_active if engine.lockstep else None
     dummy = codec.first_ids([{"role": "user", "content": "hi"}], []) if lockstep else None
     batch = run_episodes(generate, codec, make_env, mine, sampling, limits, step=step, offset=offset,
                          share=share, any_active=lockstep, dummy_ids=dummy)
     rank, world = _dist_world()
     if world == 1:
         return prompt_slice(batch, len(global_rows), to_rank, to_size)
-    everything = gather_global(batch, contributes=rank == engine._replica_ranks[0])
+    everything = gather_global(batch, contributes=rank == engine.replica_leader)
     return prompt_slice(everything, len(global_rows), to_rank, to_size)

@@ -218,10 +218,21 @@ class RolloutEngineProtocol(Protocol):
     """The engine's default sampling; the trainer derives each round's sampling from it."""
     dp_size: int
     """Number of engine replicas in the job (evaluation splits its prompts over them)."""
+    dp_rank: int
+    """This rank's engine replica."""
+    replica_group: Any
+    """The process group of this rank's engine replica (None for a single process)."""
+    replica_leader: int
+    """Global rank of the replica's first rank: multi-turn environments run there."""
+    lockstep: bool
+    """Whether the replicas must call ``generate`` together (multi-turn turns then are)."""
 
     def generate(self, prompts: Sequence[Any], sampling: Any = None, *,
-                 step: int | None = None) -> RolloutBatch:
-        """Sample ``n`` responses per prompt (token id lists or objects with ``token_ids``)."""
+                 step: int | None = None, keys: Sequence[int] | None = None,
+                 budgets: Sequence[int] | None = None) -> RolloutBatch:
+        """Sample ``n`` responses per prompt (token id lists or objects with ``token_ids``);
+        ``keys``: per-request seed indices, ``budgets``: per-request max_new_tokens
+        (multi-turn episodes pass both)."""
         ...
 
     def generate_resharded(self, global_prompts: Sequence[Any], sampling: Any = None, *,

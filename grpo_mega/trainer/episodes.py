@@ -48,8 +48,9 @@ def play(t, prompts: list, step: int, sampling=None) -> Any:
     engine, setup = t.engine, t.episodes
     rows = [{"messages": [dict(m) for m in p.messages], "prompt": p.text, "answer": p.reference,
              "uid": p.uid, **dict(p.metadata)} for p in prompts]
-    leader = engine._replica_ranks[0]
-    group = engine.replica_group if len(engine._replica_ranks) > 1 else None
+    leader = engine.replica_leader
+    shared = t.ps.world_size > 1 and dist.get_world_size(engine.replica_group) > 1
+    group = engine.replica_group if shared else None
 
     def share(fn):
         return run_on_src(fn, leader, group, "environment step")
