@@ -194,6 +194,7 @@ def support_page() -> str:
     loop = _literal("tests/integration/test_layouts.py", "LAYOUTS")
     moe = _literal("tests/scripts/moe_ranks.py", "LAYOUTS")
     moe_export = _literal("tests/scripts/moe_ranks.py", "EXPORT_LAYOUTS")
+    same = _literal("tests/integration/test_layouts.py", "SAME_PATTERN")
     scale = sorted(p.stem for p in (REPO / "launch" / "configs").glob("*.yaml"))
     recipes = sorted(p.name for p in (REPO / "examples").glob("*.yaml"))
     out = [GENERATED, "", "# Support matrix", "",
@@ -217,7 +218,10 @@ def support_page() -> str:
             + ", ".join(lay(*v[1]) + (f" (engine TP{v[3]})" if v[3] > 1 else "") for _, v in sorted(loop.items()))
             + " | `tests/integration/test_layouts.py` |",
             "| the scale configs at tiny widths (`--shrink`), whole loop | "
-            + ", ".join(f"`{s}`" for s in scale) + " | `tests/integration/test_layouts.py` |",
+            + ", ".join(f"`{s}`" + (f" (shrinks exactly like `{same[s]}`, which runs)" if s in same else "")
+                        for s in scale) + " | `tests/integration/test_layouts.py` |",
+            "| multi-turn episodes (the tool demo, DAPO refill) equal the single-process run | "
+            "PP2 x DP2 (engine TP2) | `tests/integration/test_layouts.py` |",
             "| MoE logits, loss, gradients (world 4) | "
             + ", ".join(lay(tp=tp, ep=ep) for tp, ep, _ in dict.fromkeys((tp, ep, 0) for tp, ep, _ in moe))
             + " | `tests/unit/models/test_moe.py` |",

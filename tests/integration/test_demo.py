@@ -19,23 +19,46 @@ def test_demo_entry_point_converts_and_trains(tmp_path):
     grpo_mega/demo/assets and grpo_mega/tools, so it rebuilt the packaged model and then
     died looking for the converter. The other job tests launch grpo_mega.train directly and
     never saw it. This runs the module `make demo` runs: packaged assets, HF -> mcore
-    conversion through tools/convert_checkpoint.py, 2 GRPO steps at TP=2, the summary."""
+    conversion through tools/convert_checkpoint.py, 2 GRPO steps at TP=2, the summary. Also
+    guards against a noisy first run: at most 10 lines before the first step may be someone
+    else's (``--verbose`` bringing them back is tested on the trainer in test_console.py and
+    on the demo's environment in test_demo_env_quiets_the_libraries_unless_verbose)."""
     run_dir = tmp_path / "demo"
     # cwd is a scratch dir (the demo writes relative paths); import this checkout's code
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", GRPO_MEGA_STRICT_DEVICES="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env.pop("VLLM_LOGGING_LEVEL", None)
     r = subprocess.run([sys.executable, "-m", "grpo_mega.demo", "--fresh", "--algorithm.steps=2",
                         "--data.eval_every=0", "--checkpoint.save_every=0",
                         "--logging.tensorboard=false", f"--logging.run_dir={run_dir}"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    out = r.stdout + r.stderr
+                       cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=600)
+    out = r.stdout
     assert r.returncode == 0, out[-4000:]
+    # A noisy first run (vLLM's NUMA, tcmalloc, Triton and set_num_threads warnings, its
+    # weight-loading bar, torch's C++ warnings) once took ~150 lines before the first step.
+    foreign = _lines_not_ours_before_first_step(out)
+    assert len(foreign) <= 10, "\n".join(foreign)
     assert "using the packaged demo model" in out, out[-4000:]  # not a 3-6 min rebuild
     assert (run_dir / "init_mcore").is_dir()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 2
     assert "held-out greedy accuracy" in r.stdout
     assert not (tmp_path / ".cache").exists()
+
+
+def test_demo_env_quiets_the_libraries_unless_verbose():
+    """Guards against ``make demo ARGS=--verbose`` still hiding the libraries' warnings (the
+    demo sets torch's and Python's warning switches before the trainer can), and against a
+    default demo that shows them."""
+    from grpo_mega.demo.__main__ import demo_env
+
+    quiet = demo_env([])
+    assert quiet["PYTHONWARNINGS"] == "ignore" and quiet["TORCH_CPP_LOG_LEVEL"] == "ERROR"
+    for argv in (["--verbose"], ["--logging.verbose=true"]):
+        loud = demo_env(argv)
+        assert loud.get("PYTHONWARNINGS") == os.environ.get("PYTHONWARNINGS"), argv
+        assert loud.get("TORCH_CPP_LOG_LEVEL") == os.environ.get("TORCH_CPP_LOG_LEVEL"), argv
 
 
 OURS = ("[demo]", "[grpo]", "[hf-to-mcore]", "step ")
@@ -49,29 +72,6 @@ def _lines_not_ours_before_first_step(output: str) -> list[str]:
         if line.strip() and not line.startswith(OURS):
             lines.append(line)
     return lines
-
-
-def test_demo_output_is_ours_until_the_first_step(tmp_path):
-    """Guards against a noisy first run: vLLM's warnings (NUMA binding, tcmalloc, Triton,
-    set_num_threads eight times), its weight-loading bar and torch's C++ warnings once took
-    about 150 lines before the first step. By default at most 10 lines before the first step
-    may be someone else's; with --logging.verbose=true vLLM's own lines come back."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", GRPO_MEGA_STRICT_DEVICES="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    env.pop("VLLM_LOGGING_LEVEL", None)
-    outs = {}
-    for verbose in (False, True):
-        run_dir = tmp_path / f"verbose_{verbose}"
-        r = subprocess.run([sys.executable, "-m", "grpo_mega.demo", "--algorithm.steps=1",
-                            "--data.eval_every=0", "--checkpoint.save_every=0",
-                            "--logging.tensorboard=false", f"--logging.run_dir={run_dir}",
-                            *(["--logging.verbose=true"] if verbose else [])],
-                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, timeout=600)
-        assert r.returncode == 0, r.stdout[-4000:]
-        outs[verbose] = _lines_not_ours_before_first_step(r.stdout)
-    assert len(outs[False]) <= 10, "\n".join(outs[False])
-    assert len(outs[True]) > len(outs[False]) + 5, "--logging.verbose=true should show vLLM's lines"
 
 
 def test_moe_demo_entry_point_trains_with_expert_parallelism(tmp_path):
@@ -106,13 +106,14 @@ def test_tools_demo_learns_to_use_the_calculator_in_multi_turn_episodes(tmp_path
     runs but cannot learn: episodes whose tool replies never reach the model, rewards from
     the wrong turn, tool tokens trained on, or weights never synced would all leave the
     held-out accuracy flat. Runs the packaged tool demo (conversion, TP=2: the engine
-    replica's second rank receives the environment's replies from the first) for 30 steps
-    and requires a gain of at least 20 points of held-out greedy accuracy (measured: +33)."""
+    replica's second rank receives the environment's replies from the first) for 20 steps
+    and requires a gain of at least 20 points of held-out greedy accuracy (measured: +27.5
+    after 20 steps, 40.5% -> 68.0%)."""
     run_dir = tmp_path / "demo_tools"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", GRPO_MEGA_STRICT_DEVICES="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "grpo_mega.demo", "--tools", "--fresh", "--algorithm.steps=30",
-                        "--data.eval_every=30", "--checkpoint.save_every=0", "--logging.progress=false",
+    r = subprocess.run([sys.executable, "-m", "grpo_mega.demo", "--tools", "--fresh", "--algorithm.steps=20",
+                        "--data.eval_every=20", "--checkpoint.save_every=0", "--logging.progress=false",
                         "--logging.tensorboard=false", f"--logging.run_dir={run_dir}"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     out = r.stdout + r.stderr
@@ -121,7 +122,7 @@ def test_tools_demo_learns_to_use_the_calculator_in_multi_turn_episodes(tmp_path
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in rows if "episode_turns" in m]
-    assert len(steps) == 30 and all(m["token_mismatch"] == 0 for m in steps)
+    assert len(steps) == 20 and all(m["token_mismatch"] == 0 for m in steps)
     assert max(m["episode_tool_calls"] for m in steps) > 0.5  # most episodes call the tool
     gain = summary["eval_accuracy_final"] - summary["eval_accuracy_initial"]
     assert gain >= 0.20, summary
