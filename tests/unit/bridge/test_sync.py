@@ -455,9 +455,10 @@ class TorchEngine:
         self.model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
         self.params = dict(self.model.named_parameters())  # tied lm_head: one Parameter, listed once
         self.updated, self.resets, self.releases, self.resumes = set(), 0, 0, 0
-        self.sampling, self.dp_size = None, 1
+        self.sampling, self.dp_size, self.dp_rank = None, 1, 0
+        self.replica_group, self.replica_leader, self.lockstep = None, 0, False
 
-    def generate(self, prompts, sampling=None, *, step=None):
+    def generate(self, prompts, sampling=None, *, step=None, keys=None, budgets=None):
         raise NotImplementedError("not needed by the bridge")
 
     def generate_resharded(self, global_prompts, sampling=None, *, step=None, to_rank=0, to_size=1,
