@@ -32,6 +32,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -147,6 +148,34 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 PACKAGED = ASSETS / f"demo_{VERSION}"
 
 
+def cached_build(version: str, cache_dir: str | os.PathLike, rebuild: bool, what: str,
+                 build: Callable[[Path], float]) -> Path:
+    """The packaged ``assets/demo_<version>``, else the cached ``<cache_dir>/<version>``, else
+    (or with ``rebuild``) ``build(tmp_dir) -> warm-start accuracy`` into a temporary directory
+    renamed into place when done, so a killed build leaves only ``.tmp``, rebuilt next time."""
+    packaged = ASSETS / f"demo_{version}"
+    if not rebuild and (packaged / "DONE").exists():
+        say(f"using the packaged {what} ({packaged})")
+        return packaged
+    root = Path(cache_dir) / version
+    if rebuild:
+        shutil.rmtree(root, ignore_errors=True)
+    if (root / "DONE").exists():
+        say(f"using cached {what} in {root}")
+        return root
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tmp = root.with_name(root.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    acc = build(tmp)
+    (tmp / "warm_start.json").write_text(json.dumps({"heldout_greedy_accuracy": acc}))
+    (tmp / "DONE").write_text("ok\n")
+    shutil.rmtree(root, ignore_errors=True)
+    tmp.rename(root)
+    say(f"{what} ready in {root} (warm-start accuracy {acc:.1%})")
+    return root
+
+
 def ensure_demo_assets(cache_dir: str | os.PathLike = ".cache/demo", rebuild: bool = False,
                        variant: str = "dense") -> Path:
     """Reuse the packaged or cached demo tokenizer, data and warm-started checkpoint of
@@ -155,42 +184,25 @@ def ensure_demo_assets(cache_dir: str | os.PathLike = ".cache/demo", rebuild: bo
     if variant not in VARIANTS:
         raise ValueError(f"demo variant {variant!r}; choose one of {sorted(VARIANTS)}")
     version, family, shape, check_every = VARIANTS[variant]
-    packaged = ASSETS / f"demo_{version}"
-    if not rebuild and (packaged / "DONE").exists():
-        say(f"using the packaged demo model and data ({packaged})")
-        return packaged
-    root = Path(cache_dir) / version
-    if rebuild:
-        shutil.rmtree(root, ignore_errors=True)
-    if (root / "DONE").exists():
-        say(f"using cached demo model and data in {root}")
-        return root
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    tmp = root.with_name(root.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    say("step 1/3: training a character-level sentencepiece tokenizer")
-    tok_dir = _build_tokenizer(tmp)
-    from grpo_mega.testing.tiny import build_tiny_hf_checkpoint
-    from grpo_mega.data.tokenizer import load_tokenizer
 
-    tok = load_tokenizer(tok_dir)
-    train, evals = problems()
-    _write_jsonl(tmp / "train.jsonl", train)
-    _write_jsonl(tmp / "eval.jsonl", evals)
-    say(f"step 2/3: building a tiny {family} (vocab {tok.vocab_size}, hidden 128, 2 layers)")
-    hf = build_tiny_hf_checkpoint(tmp / "hf", family=family, hidden_size=128, num_layers=2,
-                                  num_heads=4, num_kv_heads=2, tokenizer_dir=tok_dir, seed=0,
-                                  max_position_embeddings=64, **shape)
-    say("step 3/3: supervised warm start (stops at 30-50% held-out accuracy, ~1 min)")
-    acc = _warm_start(hf, tok, train, evals, check_every=check_every)
-    (tmp / "warm_start.json").write_text(json.dumps({"heldout_greedy_accuracy": acc}))
-    (tmp / "DONE").write_text("ok\n")
-    shutil.rmtree(root, ignore_errors=True)
-    tmp.rename(root)  # atomic: a killed build leaves only .tmp, rebuilt next time
-    say(f"demo assets ready in {root} (warm-start accuracy {acc:.1%})")
-    return root
+    def build(tmp: Path) -> float:
+        say("step 1/3: training a character-level sentencepiece tokenizer")
+        tok_dir = _build_tokenizer(tmp)
+        from grpo_mega.testing.tiny import build_tiny_hf_checkpoint
+        from grpo_mega.data.tokenizer import load_tokenizer
 
+        tok = load_tokenizer(tok_dir)
+        train, evals = problems()
+        _write_jsonl(tmp / "train.jsonl", train)
+        _write_jsonl(tmp / "eval.jsonl", evals)
+        say(f"step 2/3: building a tiny {family} (vocab {tok.vocab_size}, hidden 128, 2 layers)")
+        hf = build_tiny_hf_checkpoint(tmp / "hf", family=family, hidden_size=128, num_layers=2,
+                                      num_heads=4, num_kv_heads=2, tokenizer_dir=tok_dir, seed=0,
+                                      max_position_embeddings=64, **shape)
+        say("step 3/3: supervised warm start (stops at 30-50% held-out accuracy, ~1 min)")
+        return _warm_start(hf, tok, train, evals, check_every=check_every)
+
+    return cached_build(version, cache_dir, rebuild, "demo model and data", build)
 
 if __name__ == "__main__":
     ensure_demo_assets(sys.argv[1] if len(sys.argv) > 1 else ".cache/demo", rebuild=True,
