@@ -10,11 +10,11 @@ do not fit (so a config mistake shows at start-up and names the bad key).
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, Callable, Mapping
 
 from grpo_mega.envs.types import Environment
+from grpo_mega.qualified import import_qualified
 
 __all__ = ["EnvFactory", "ENV_REGISTRY", "register_env", "resolve_env", "check_env_kwargs", "make_env"]
 
@@ -41,15 +41,7 @@ def resolve_env(name: str) -> EnvFactory:
     if ":" not in name:
         raise KeyError(f"unknown environment {name!r}; registered: {sorted(ENV_REGISTRY)}; "
                        "a custom one is named 'package.module:Class'")
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ImportError(f"environment {name!r}: cannot import module {module_name!r}: {e}") from e
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise AttributeError(f"environment {name!r}: module {module_name!r} has no class or callable {attr!r}")
-    return factory
+    return import_qualified(name, f"environment {name!r}", "class or callable")
 
 
 def check_env_kwargs(factory: EnvFactory, kwargs: Mapping[str, Any]) -> str | None:

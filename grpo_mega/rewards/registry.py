@@ -17,10 +17,11 @@ it once, with the function's kwargs, before it takes samples, so heavy imports
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
+
+from grpo_mega.qualified import import_qualified
 
 __all__ = ["RewardFn", "REWARD_REGISTRY", "register_reward", "resolve_reward", "check_reward_kwargs",
            "RewardSpec"]
@@ -48,15 +49,7 @@ def resolve_reward(name: str) -> RewardFn:
     if ":" not in name:
         raise KeyError(f"unknown reward {name!r}; registered: {sorted(REWARD_REGISTRY)}; "
                        "a custom function is named 'package.module:function'")
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ImportError(f"reward {name!r}: cannot import module {module_name!r}: {e}") from e
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise AttributeError(f"reward {name!r}: module {module_name!r} has no callable {attr!r}")
-    return fn
+    return import_qualified(name, f"reward {name!r}")
 
 
 def check_reward_kwargs(fn: RewardFn, kwargs: Mapping[str, Any]) -> str | None:

@@ -8,10 +8,10 @@ the tokenizer's chat template) or ``"package.module:ATTR"`` naming a ``ChatForma
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any, Optional, Sequence
 
 from grpo_mega.data import chat
+from grpo_mega.qualified import import_qualified
 
 __all__ = ["ChatCodec", "load_chat_format"]
 
@@ -21,9 +21,8 @@ def load_chat_format(tokenizer: Any, format_name: Optional[str]) -> "chat.ChatFo
     if format_name in (None, "", "auto"):
         return chat.detect_chat_format(tokenizer)
     if ":" in format_name:
-        module, _, attr = format_name.partition(":")
         try:
-            fmt = getattr(importlib.import_module(module), attr)
+            fmt = import_qualified(format_name, f"{chat.FORMAT_FLAG}={format_name!r}", "attribute")
         except (ImportError, AttributeError) as e:
             raise chat.ChatFormatError(f"{chat.FORMAT_FLAG}={format_name!r}: cannot load it ({e})") from e
         if not isinstance(fmt, chat.ChatFormat):
