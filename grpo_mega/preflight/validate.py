@@ -14,6 +14,7 @@ from typing import Optional
 
 from grpo_mega.config import Config, ConfigError, derived_dp, rollout_tp
 from grpo_mega.models.precision import check_fp8_here
+from grpo_mega.preflight.placement import check_placement
 
 
 # Enumerations that belong to config itself. Names that select a variant (advantage
@@ -341,6 +342,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
     _check_moe(cfg)
     _check_rewards(cfg)
     _check_env(cfg)
+    check_placement(cfg)
     if a.advantage == "process" and a.dynamic_sampling:
         # DAPO's filter judges a group by one reward per sample; a group whose samples
         # share a mean step score can still carry step-level signal.
