@@ -144,6 +144,10 @@ class RolloutBatch:
     episode_info: list[dict] = field(default_factory=list)
     """Multi-turn episodes: JSON-able facts per episode (turns, tool calls, token-exact
     problems) for metrics. Empty otherwise."""
+    versions: list[list[int]] = field(default_factory=list)
+    """Asynchronous GRPO: per response token, the policy version that sampled it (the number
+    of optimizer steps in the engine's weights then); a weight update in flight mixes two
+    versions in one response. Empty when every token has the engine's one version."""
     logprobs_mode: str = "raw_logprobs"
     seconds: float = 0.0
 
@@ -197,7 +201,7 @@ class RolloutBatch:
 
 
 _PER_SAMPLE = ("prompt_ids", "response_ids", "logprobs", "finish_reasons", "prompt_index", "texts",
-               "stop_reasons", "response_mask", "episode_rewards", "episode_info")
+               "stop_reasons", "response_mask", "episode_rewards", "episode_info", "versions")
 """The ``RolloutBatch`` fields with one entry per sample."""
 
 ProbeSpec = tuple  # (hf_name, rows: list[int] | None, cols: list[int] | None)
