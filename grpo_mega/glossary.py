@@ -34,6 +34,18 @@ METRICS: dict[str, tuple[str, str]] = {
     "groups_dropped": ("count", "groups dropped because all their rewards were equal"),
     "groups_spare": ("count", "groups with a spread beyond the batch (or the DP cut), dropped"),
     "empty_step": ("flag (1)", "no group had a reward spread: no update, the scheduler did not advance"),
+    # asynchronous GRPO (algorithm.max_staleness; grpo_mega/trainer/staleness.py), over the trained samples
+    "staleness_frac_<k>": ("fraction", "share of the trained response tokens sampled k policy versions before "
+                                       "the weights the update starts from, one key per k = 0 .. "
+                                       "algorithm.max_staleness"),
+    "staleness_mean": ("versions", "mean staleness (update's version - token's version) of the trained tokens"),
+    "versions_spanned_mean": ("versions", "mean over trajectories of newest - oldest token version + 1 (above 1: "
+                                          "weights were updated while the response was generated)"),
+    "versions_spanned_max": ("versions", "most versions one trajectory spanned"),
+    "stale_groups_dropped": ("count", "groups with a token past the staleness bound, dropped; their prompts "
+                                      "are sampled again"),
+    "staleness_bound_violations": ("count", "trained tokens past the staleness bound (0 by construction; the "
+                                            "guard before the update stops the run otherwise)"),
     # the update (stage update), means over response tokens
     "loss": ("nats / token", "the GRPO loss as optimised: surrogate plus kl_coef x KL, aggregated by "
                              "algorithm.loss_agg"),
@@ -46,8 +58,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "ratio_mean": ("ratio", "mean importance ratio pi_theta / pi_old (1 on-policy)"),
     "rollout_logp_gap": ("nats / token", "mean |trainer log-prob - vLLM log-prob| of the sampled tokens: "
                                          "engine/trainer mismatch (and top-p/top-k truncation)"),
-    "tis_weight_mean": ("ratio", "mean truncated importance-sampling weight (algorithm.tis_cap set)"),
-    "tis_clipfrac": ("fraction", "tokens whose TIS weight hit algorithm.tis_cap"),
+    "tis_weight_mean": ("ratio", "mean truncated importance weight proximal / behaviour of the decoupled "
+                                 "objective (algorithm.tis_cap set)"),
+    "tis_clipfrac": ("fraction", "tokens whose importance weight hit algorithm.tis_cap"),
     "grad_norm": ("L2 norm", "global gradient norm before clipping (over TP, PP and DP)"),
     "skipped": ("flag (0/1)", "1 when the update was skipped for a non-finite gradient norm"),
     # after the update
@@ -74,4 +87,6 @@ def is_documented(key: str) -> bool:
     """A ``metrics.jsonl`` key is in the glossary (``time/<stage>`` for a known stage)."""
     if key.startswith("time/"):
         return key[5:] in STAGES
+    if key.startswith("staleness_frac_"):
+        return key[len("staleness_frac_"):].isdigit()
     return key in METRICS

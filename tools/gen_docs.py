@@ -126,9 +126,12 @@ def cli_page() -> str:
 
 
 def _first_line(obj) -> str:
-    """The first paragraph of a registered function's docstring (objects' class docs say nothing)."""
+    """The first paragraph of a registered function's docstring, or of the first field of a
+    registered tuple when that is a function (objects' class docs say nothing)."""
+    if isinstance(obj, tuple) and obj and inspect.isfunction(obj[0]):
+        obj = obj[0]
     doc = (obj.__doc__ or "").strip() if inspect.isfunction(obj) else ""
-    return _md(doc.split("\n\n")[0]) if doc else ""
+    return _md(doc.split("\n\n")[0]).replace("|", "\\|") if doc else ""  # a table cell
 
 
 def registries_page() -> str:
@@ -145,7 +148,8 @@ def registries_page() -> str:
             ("Advantage normalisations", "algorithm.norm", A.NORMS),
             ("KL estimators", "algorithm.kl_kind", A.KL_ESTIMATORS),
             ("Loss aggregations", "algorithm.loss_agg", A.AGGREGATIONS),
-            ("Policy losses", "algorithm.policy_loss", A.POLICY_LOSSES)]
+            ("Policy losses", "algorithm.policy_loss", A.POLICY_LOSSES),
+            ("Off-policy objectives", "algorithm.off_policy", A.OFF_POLICY)]
     for title, flag, reg in regs:
         out += [f"## {title} (`{flag}`)", "", "| name | aliases | what |", "|---|---|---|"]
         for name in sorted(reg._items if hasattr(reg, "_items") else reg):

@@ -55,3 +55,8 @@ def _as_bool_mask(mask: Tensor) -> Tensor:
 def _masked(values: Tensor, mask: Tensor) -> Tensor:
     # where, not multiply: inf/NaN at padded positions must not leak into sums.
     return torch.where(mask, values, torch.zeros_like(values))
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Detached mean of ``x`` [B, T] over the True entries of the bool ``mask`` [B, T] (0 if none)."""
+    return (_masked(x.float(), mask).sum() / mask.sum().clamp(min=1)).detach()

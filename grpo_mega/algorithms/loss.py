@@ -1,5 +1,8 @@
 """The GRPO loss: clipped surrogate + KL + truncated IS, reduced by a registered aggregation.
 
+* the clip's anchor and the importance weight come from the registered off-policy objective
+  (``off_policy.OFF_POLICY``, ``algorithm.off_policy``: ``decoupled`` or ``behaviour``);
+
 * ``policy_loss``: the objective to minimise for one micro-batch.
 * ``POLICY_LOSSES``: the registered surrogates (``algorithm.policy_loss``):
   ``grpo`` (per-token PPO ratio, clipped per token) and ``gspo`` (GSPO: one
@@ -42,8 +45,10 @@ from typing import Callable, NamedTuple, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from grpo_mega.algorithms._checks import Count, Tensor, _all_reduce, _as_bool_mask, _masked, _same_shape
+from grpo_mega.algorithms._checks import (Count, Tensor, _all_reduce, _as_bool_mask, _masked, _masked_mean,
+                                         _same_shape)
 from grpo_mega.algorithms.kl import _kl_estimator
+from grpo_mega.algorithms.off_policy import OFF_POLICY
 from grpo_mega.algorithms.registry import Registry
 
 __all__ = ["policy_loss", "aggregate", "global_batch_counts", "AGGREGATIONS", "Aggregation",
@@ -193,10 +198,6 @@ def _check_token_tensor(ref: Tensor, t: Optional[Tensor], name: str) -> None:
         _same_shape(ref, "logp", t, name)
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return (_masked(x.float(), mask).sum() / mask.sum().clamp(min=1)).detach()
-
-
 POLICY_LOSSES: Registry[Callable[[Tensor, Tensor], Tensor]] = Registry("policy_loss")
 """Surrogate variants: ``(log_ratio [B, T], mask [B, T] bool) -> ratio [B, T]``.
 
@@ -228,22 +229,26 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
                 agg: str = "token-mean", variant: str = "grpo", ref_logp: Optional[Tensor] = None, kl_coef: float = 0.0,
                 kl_kind: str = "k3", kl: Optional[Tensor] = None,
                 rollout_logp: Optional[Tensor] = None,
-                tis_cap: Optional[float] = None, entropy: Optional[Tensor] = None,
+                tis_cap: Optional[float] = None, off_policy: str = "decoupled", entropy: Optional[Tensor] = None,
                 max_len: Optional[int] = None, global_tokens: Optional[Count] = None,
                 global_seqs: Optional[Count] = None) -> Tuple[Tensor, dict]:
     """GRPO objective to MINIMISE for one micro-batch.
 
-    Per valid token, with advantage A and ratio r = exp(logp - old_logp)
-    (``variant="grpo"``) or GSPO's per-sequence r_i = exp(mean_t(logp - old_logp))
-    (``variant="gspo"``; see ``POLICY_LOSSES``):
+    Per valid token, with advantage A and ratio r = exp(logp - anchor)
+    (``variant="grpo"``) or GSPO's per-sequence r_i = exp(mean_t(logp - anchor))
+    (``variant="gspo"``; see ``POLICY_LOSSES``), where the ``off_policy`` objective picks
+    the anchor (``decoupled``: old_logp, the proximal policy; ``behaviour``: rollout_logp):
         pg  = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))     (clip-higher
               when clip_high > clip_low, DAPO)
         pg  = min(pg, -A dual_clip)  where A < 0   (dual-clip: bounds the loss of
               a bad action whose ratio exploded; dual_clip > 1)
         pg *= w = min(exp(old_logp - rollout_logp), tis_cap), detached, when
-              rollout_logp is given (truncated importance sampling: corrects for
-              the rollout engine's sampler differing from the trainer's
-              numerics; tis_cap=None means no truncation, high variance)
+              off_policy="decoupled" and rollout_logp is given (the decoupled
+              objective's importance weight proximal/behaviour: corrects for
+              samples of an older policy and for the rollout engine's sampler
+              differing from the trainer's numerics; tis_cap=None means no
+              truncation, high variance. The trainer passes rollout_logp only
+              with a cap: ``off_policy.behaviour_logp_needed``)
         tok = pg + kl_coef * kl_penalty(logp, ref_logp, kl_kind)
               (kl_kind="full": tok = pg + kl_coef * kl, the exact per-token KL)
     loss = aggregate(tok, mask, agg, ...). The TIS weight multiplies only the
@@ -251,8 +256,9 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
 
     Args:
         logp: [B, T] current-policy log-probs (differentiable).
-        old_logp: [B, T] log-probs of the policy that is being improved on
-            (behaviour policy as the trainer computes it), no grad needed.
+        old_logp: [B, T] log-probs of the proximal policy (the trainer's weights at the
+            start of the step, recomputed; or the current log-probs, detached, when
+            the update is on-policy), no grad needed.
         advantages: [B, T] per token, or [B] per sequence (expanded over T;
             the only broadcast allowed).
         mask: [B, T] bool (or 0/1) valid response tokens.
@@ -262,7 +268,9 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
             logits (``full``): ``exact_kl(kl_kind, logits_shard, ref_logits_shard,
             tp_group)``, differentiable w.r.t. the policy logits; required when
             kl_coef != 0 with such a kind, refused with the others.
-        rollout_logp: [B, T] log-probs reported by the rollout engine.
+        rollout_logp: [B, T] log-probs reported by the rollout engine (the behaviour
+            policy, which sampled the tokens).
+        off_policy: an ``OFF_POLICY`` name (``decoupled`` / ``behaviour``).
         entropy: [B, T] per-token entropy, logged only (no bonus in the loss).
         agg, max_len, global_tokens, global_seqs: see ``aggregate``.
         variant: a ``POLICY_LOSSES`` name: how the ratio is formed.
@@ -310,13 +318,16 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         raise ValueError(f"ref_logp is required when kl_coef={kl_coef!r} is nonzero")
     AGGREGATIONS.get(agg, "agg")
     ratio_fn = POLICY_LOSSES.get(variant, "variant")
+    objective = OFF_POLICY.get(off_policy, "off_policy")
 
     mask = _as_bool_mask(mask)
+    terms = objective.terms(old_logp.detach(), None if rollout_logp is None else rollout_logp.detach(),
+                            mask, tis_cap)
     adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logp)
     adv = adv.detach().to(logp.dtype)
     # Zero the log-ratio at padding BEFORE exp: garbage there must not become
     # inf, whose 0-weighted gradient would still be NaN.
-    log_ratio = torch.where(mask, logp - old_logp.detach(), torch.zeros_like(logp))
+    log_ratio = torch.where(mask, logp - terms.anchor, torch.zeros_like(logp))
     ratio = ratio_fn(log_ratio, mask)
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * ratio.clamp(1 - clip_low, 1 + clip_high)
@@ -334,16 +345,9 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         if entropy is not None:
             metrics["entropy"] = _masked_mean(entropy, mask)
 
-    if rollout_logp is not None:
-        with torch.no_grad():
-            gap = torch.where(mask, old_logp - rollout_logp, torch.zeros_like(old_logp))
-            weight = gap.exp()
-            if tis_cap is not None:
-                metrics["tis_clipfrac"] = _masked_mean((weight > tis_cap).float(), mask)
-                weight = weight.clamp(max=tis_cap)
-            metrics["rollout_logp_gap"] = _masked_mean(gap.abs(), mask)
-            metrics["tis_weight_mean"] = _masked_mean(weight, mask)
-        pg = pg * weight.to(pg.dtype)
+    metrics.update(terms.metrics)
+    if terms.weight is not None:
+        pg = pg * terms.weight.to(pg.dtype)
 
     counts = dict(max_len=max_len, global_tokens=global_tokens, global_seqs=global_seqs)
     loss = aggregate(pg, mask, agg, **counts)

@@ -6,16 +6,18 @@ from __future__ import annotations
 from grpo_mega.config import Config, ConfigError
 
 PLACEMENTS = ("colocated", "separate")
-OFF_POLICY = ("decoupled", "behaviour")
 
 
 def check_placement(cfg: Config) -> None:
     r, a = cfg.rollout, cfg.algorithm
     if r.placement not in PLACEMENTS:
         raise ConfigError(f"rollout.placement={r.placement!r} is not one of {PLACEMENTS} (--rollout.placement)")
-    if a.off_policy not in OFF_POLICY:
-        raise ConfigError(f"algorithm.off_policy={a.off_policy!r} is not one of {OFF_POLICY} "
-                          "(--algorithm.off_policy)")
+    # algorithm.off_policy names are checked against its registry (validate.registry_choices).
+    if a.off_policy == "behaviour" and a.tis_cap is not None:
+        raise ConfigError(f"algorithm.tis_cap={a.tis_cap} caps the importance weight proximal/behaviour of "
+                          "algorithm.off_policy=decoupled; off_policy=behaviour clips against the rollout's "
+                          "log-probs with no weight: set --algorithm.tis_cap=null or "
+                          "--algorithm.off_policy=decoupled")
     if isinstance(a.max_staleness, bool) or not isinstance(a.max_staleness, int) or a.max_staleness < 0:
         raise ConfigError(f"algorithm.max_staleness={a.max_staleness!r} must be an int >= 0 "
                           "(0: synchronous) (--algorithm.max_staleness)")

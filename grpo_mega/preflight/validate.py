@@ -54,6 +54,7 @@ def registry_choices() -> dict:
         ("algorithm", "kl_kind"): A.KL_ESTIMATORS.names(),
         ("algorithm", "loss_agg"): A.AGGREGATIONS.names(),
         ("algorithm", "policy_loss"): A.POLICY_LOSSES.names(),
+        ("algorithm", "off_policy"): A.OFF_POLICY.names(),
         ("algorithm", "routing_replay"): ROUTING_REPLAY_MODES,
     }
 
@@ -380,13 +381,19 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
         raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1] (--rollout.top_p)")
     truncated = [f"rollout.{k}={v}" for k, v, on in (("top_p", r.top_p, r.top_p < 1),
                                                      ("top_k", r.top_k, r.top_k > 0)) if on]
-    if truncated and a.tis_cap is not None:
+    from grpo_mega.algorithms.off_policy import behaviour_logp_needed
+
+    if truncated and behaviour_logp_needed(a.off_policy, a.tis_cap):
         # vLLM's processed log-probs are of the truncated, renormalised distribution; the
         # trainer's are of softmax(logits / T) over the whole vocabulary. The TIS weight
-        # exp(old - rollout) would then be biased upwards on every kept token.
-        raise ConfigError(f"algorithm.tis_cap={a.tis_cap} compares the trainer's log-probs with the "
+        # exp(old - rollout), or behaviour's ratio exp(logp - rollout), would then be biased
+        # on every kept token.
+        what = (f"algorithm.tis_cap={a.tis_cap}" if a.tis_cap is not None
+                else f"algorithm.off_policy={a.off_policy}")
+        fix = "--algorithm.tis_cap=null" if a.tis_cap is not None else "--algorithm.off_policy=decoupled"
+        raise ConfigError(f"{what} compares the trainer's log-probs with the "
                           f"engine's, which {' and '.join(truncated)} truncates before taking them; "
-                          f"use --algorithm.tis_cap=null, or untruncated sampling "
+                          f"use {fix}, or untruncated sampling "
                           f"(--rollout.top_p=1 --rollout.top_k=-1)")
     if r.max_model_len < d.max_prompt_tokens + r.max_new_tokens:
         raise ConfigError(f"rollout.max_model_len={r.max_model_len} < data.max_prompt_tokens + "

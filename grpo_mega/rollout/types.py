@@ -176,7 +176,13 @@ class RolloutBatch:
         when that is all of them; the per-sample lists are otherwise new, their items shared)."""
         keep = set(prompts)
         idx = [i for i, p in enumerate(self.prompt_index) if p in keep]
-        if len(idx) == len(self):
+        return self.take(idx)
+
+    def take(self, samples: Sequence[int]) -> "RolloutBatch":
+        """The samples at the given positions, in that order (the same batch when that is all
+        of them, in order; the per-sample lists are otherwise new, their items shared)."""
+        idx = list(samples)
+        if idx == list(range(len(self))):
             return self
         per_sample = {k: [getattr(self, k)[i] for i in idx] if getattr(self, k) else []
                       for k in _PER_SAMPLE}

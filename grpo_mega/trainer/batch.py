@@ -276,8 +276,8 @@ def micro_loss(logits: Tensor, mb: TrainingBatch, ps: ParallelState, algo, *,
         agg=algo.loss_agg, variant=algo.policy_loss,
         ref_logp=mb.ref_logp if algo.kl_coef > 0 and kl is None else None,
         kl_coef=algo.kl_coef, kl_kind=algo.kl_kind, kl=kl,
-        rollout_logp=mb.rollout_logp if algo.tis_cap else None,
-        tis_cap=algo.tis_cap, entropy=entropy, max_len=max_len,
+        rollout_logp=mb.rollout_logp if A.behaviour_logp_needed(algo.off_policy, algo.tis_cap) else None,
+        tis_cap=algo.tis_cap, off_policy=algo.off_policy, entropy=entropy, max_len=max_len,
         global_tokens=max(global_tokens, 1), global_seqs=max(global_seqs, 1))
     return loss, m, logp
 
@@ -291,8 +291,10 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
 
     The loss of each micro-batch is its share of the global mini-batch mean
     (``A.global_batch_counts`` over DP), so gradients are summed over micro-batches
-    and DP ranks. ``reuse_current_as_old``: with one PPO epoch and no TIS, old
-    log-probs equal the current ones, so no extra forward was run. Returns the
+    and DP ranks. ``reuse_current_as_old``: the proximal (old) log-probs equal the current
+    ones at update time, so no extra forward was run (``A.proximal_pass_needed`` is False:
+    one PPO epoch and mini-batch, no TIS, no staleness; or ``algorithm.off_policy:
+    behaviour``, which anchors on the rollout's log-probs instead). Returns the
     metrics over all DP replicas' rows as 0-d float64 device tensors (``grad_norm`` / ``skipped`` as floats from
     the optimizer); ``metrics_to_floats`` turns them into numbers once per step.
 

@@ -241,6 +241,8 @@ class UpdatePlan:
 
     minis: list[list[TrainingBatch]]
     off_policy: bool
+    """The proximal (old-policy) log-probs were computed into the batch; else the update
+    takes its own log-probs, detached, as the proximal ones."""
     replay_routing: bool = False
     """The update forwards replay the MoE routing recorded in the micro-batches."""
 
@@ -275,15 +277,20 @@ def _reference_on_device(t: Trainer) -> Iterator[None]:
 
 
 def logprobs(t: Trainer, batch: TrainingBatch) -> UpdatePlan:
-    """Reference (KL) and, when the update goes off-policy, old-policy log-probs, written
-    into ``batch``. With one PPO epoch, one mini-batch and no TIS the old log-probs equal
-    the current ones at update time, so that forward is skipped; with ``kl_kind: full``
+    """Reference (KL) and, when the off-policy objective needs them, proximal (old-policy)
+    log-probs, written into ``batch`` (``A.proximal_pass_needed``). With ``decoupled``, one
+    PPO epoch, one mini-batch, no TIS and ``max_staleness: 0`` they equal the current ones
+    at update time, so that forward is skipped; with ``max_staleness >= 1`` it always runs
+    (the current weights are no longer the behaviour policy); ``behaviour`` never needs it
+    (it clips against the rollout's log-probs). With ``kl_kind: full``
     the reference runs inside the update instead (see ``update``). With
     ``algorithm.routing_replay: record-in-trainer`` the old-policy pass also records the
     policy's MoE routing into ``batch.routed_experts`` for the update to replay."""
     cfg, ps, algo = t.cfg, t.ps, t.cfg.algorithm
     per_rank_mini = (cfg.data.mini_batch_size or cfg.data.prompts_per_step * cfg.rollout.n) // ps.dp
-    off_policy = algo.ppo_epochs > 1 or len(batch) > per_rank_mini or algo.tis_cap is not None
+    off_policy = A.proximal_pass_needed(algo.off_policy, ppo_epochs=algo.ppo_epochs,
+                                        mini_batches=-(-len(batch) // per_rank_mini),
+                                        max_staleness=algo.max_staleness, tis_cap=algo.tis_cap)
     ref_logprobs = t.ref is not None and not _exact_kl(t)
     record = off_policy and algo.routing_replay == "record-in-trainer"
     if ref_logprobs:
