@@ -199,28 +199,26 @@ def test_off_policy_decoupled_at_staleness_0_reduces_bitwise_to_todays_loss():
     assert torch.equal(g_new, g_today)
 
 
-@pytest.mark.parametrize("off_policy", ["decoupled", "behaviour"])
-def test_off_policy_stale_update_through_micro_loss_matches_fp64_reference(off_policy):
+@pytest.mark.parametrize("off_policy, cap", [("decoupled", CAP), ("decoupled", None), ("behaviour", None)])
+def test_off_policy_stale_update_through_micro_loss_matches_fp64_reference(off_policy, cap):
     """Guards against the trainer's wiring at max_staleness 1: ``micro_loss`` not passing
     ``algorithm.off_policy`` (behaviour would train as decoupled), not passing the rollout's
     log-probs where the objective reads them (behaviour always, decoupled with a cap), or
-    reusing the current log-probs as proximal when the objective needs the proximal pass.
-    Loss and d loss / d logp against the fp64 reference."""
+    reusing the current log-probs as proximal when the objective needs the proximal pass
+    (decoupled with no cap: the ratio would be 1 against the current weights). The
+    proximal log-probs (as the proximal pass would write them) differ from the current
+    ones; loss and d loss / d logp against the fp64 reference."""
     mb, logits = _micro(1)
-    cap = CAP if off_policy == "decoupled" else None
     algo = AlgorithmConfig(kl_coef=0.0, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, tis_cap=cap,
                            off_policy=off_policy, max_staleness=1)
-    reuse = not _needs_proximal(algo)
-    assert reuse == (off_policy == "behaviour")
     g = torch.Generator().manual_seed(5)
-    if not reuse:
-        mb.old_logp = mb.rollout_logp + 0.8 * torch.randn(mb.rollout_logp.shape, generator=g)
-    x, loss, m, logp = _micro_loss(mb, logits, algo, reuse=reuse)
+    mb.old_logp = mb.rollout_logp + 0.8 * torch.randn(mb.rollout_logp.shape, generator=g)
+    x, loss, m, logp = _micro_loss(mb, logits, algo, reuse=not _needs_proximal(algo))
     logp.retain_grad()
     loss.backward()
     rows = mb.loss_mask
     c = dict(logp=logp.detach().double(), behav=mb.rollout_logp.double(), mask=rows,
-             prox=(logp.detach() if reuse else mb.old_logp).double(), adv=mb.advantages.double())
+             prox=mb.old_logp.double(), adv=mb.advantages.double())
     ref_loss, ref_grad = _reference(c, anchor="prox" if off_policy == "decoupled" else "behav", cap=cap)
     torch.testing.assert_close(loss.double(), torch.tensor(ref_loss, dtype=torch.float64), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logp.grad.double(), torch.tensor(ref_grad, dtype=torch.float64),
