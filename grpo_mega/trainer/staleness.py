@@ -50,8 +50,9 @@ def trained_versions(batch: Any, current: int, max_staleness: int) -> list[list[
     """Per sample, the versions of its trained response tokens, in order.
 
     Args:
-        batch: a ``RolloutBatch`` (or anything with ``versions``, ``response_ids`` and
-            ``response_mask`` lists of per-token lists, one per sample).
+        batch: a ``RolloutBatch`` (or anything with ``response_ids`` and optionally
+            ``versions`` and ``response_mask``: lists of per-token lists, one per sample;
+            a missing ``versions`` counts as empty).
         current: the version of the weights the update starts from.
         max_staleness: S; empty ``versions`` (every token at ``current``) needs S = 0.
 
@@ -61,7 +62,7 @@ def trained_versions(batch: Any, current: int, max_staleness: int) -> list[list[
         responses' lengths, empty versions at S >= 1, or a version newer than ``current``.
     """
     _check_s(max_staleness)
-    responses, versions = batch.response_ids, batch.versions
+    responses, versions = batch.response_ids, getattr(batch, "versions", None)
     masks = getattr(batch, "response_mask", None) or [None] * len(responses)
     if not versions:
         if max_staleness:
@@ -209,9 +210,9 @@ def split_over_stale(batch: RolloutBatch, current: int, max_staleness: int) -> S
 
 def check_bound(batch: Any, current: int, max_staleness: int) -> None:
     """The guard right before the update: raise ``StalenessBoundError`` naming the first
-    sample, token, version and bound if any trained token of ``batch`` (a ``RolloutBatch``
-    or ``dynamic_sampling.KeptGroups``-like object, see ``trained_versions``) has
-    version < current - S. Returns nothing when every token is within the bound."""
+    sample, token, version and bound if any trained token of ``batch`` (a ``RolloutBatch``,
+    see ``trained_versions``) has version < current - S. Returns nothing when every token is
+    within the bound; raises ValueError for a batch without versions at S >= 1."""
     versions = trained_versions(batch, current, max_staleness)
     bad = [(i, past_bound(v, current, max_staleness)) for i, v in enumerate(versions)]
     bad = [(i, pos) for i, pos in bad if pos]
