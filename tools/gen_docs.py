@@ -198,7 +198,7 @@ def support_page() -> str:
     loop = _literal("tests/integration/test_layouts.py", "LAYOUTS")
     moe = _literal("tests/scripts/moe_ranks.py", "LAYOUTS")
     moe_export = _literal("tests/scripts/moe_ranks.py", "EXPORT_LAYOUTS")
-    same = _literal("tests/integration/test_layouts.py", "SAME_PATTERN")
+    same = _literal("tests/integration/test_scale_configs.py", "SAME_PATTERN")
     scale = sorted(p.stem for p in (REPO / "launch" / "configs").glob("*.yaml"))
     recipes = sorted(p.name for p in (REPO / "examples").glob("*.yaml"))
     out = [GENERATED, "", "# Support matrix", "",
@@ -223,9 +223,9 @@ def support_page() -> str:
             + " | `tests/integration/test_layouts.py` |",
             "| the scale configs at tiny widths (`--shrink`), whole loop | "
             + ", ".join(f"`{s}`" + (f" (shrinks exactly like `{same[s]}`, which runs)" if s in same else "")
-                        for s in scale) + " | `tests/integration/test_layouts.py` |",
+                        for s in scale) + " | `tests/integration/test_scale_configs.py` |",
             "| multi-turn episodes (the tool demo, DAPO refill) equal the single-process run | "
-            "PP2 x DP2 (engine TP2) | `tests/integration/test_layouts.py` |",
+            "PP2 x DP2 (engine TP2) | `tests/integration/test_layouts_multi_turn.py` |",
             "| MoE logits, loss, gradients (world 4) | "
             + ", ".join(lay(tp=tp, ep=ep) for tp, ep, _ in dict.fromkeys((tp, ep, 0) for tp, ep, _ in moe))
             + " | `tests/unit/models/test_moe.py` |",

@@ -145,8 +145,9 @@ class RolloutBatch:
     """Multi-turn episodes: JSON-able facts per episode (turns, tool calls, token-exact
     problems) for metrics. Empty otherwise."""
     versions: list[list[int]] = field(default_factory=list)
-    """Asynchronous GRPO: per response token, the policy version that sampled it (the number
-    of optimizer steps in the engine's weights then); a weight update in flight mixes two
+    """Asynchronous GRPO: per response token, the policy version that sampled it (the trainer
+    step whose weights the engine held then: one version per step's weight sync, whatever the
+    epochs and mini-batches inside the step); a weight update in flight mixes two
     versions in one response. Empty when every token has the engine's one version."""
     logprobs_mode: str = "raw_logprobs"
     seconds: float = 0.0
