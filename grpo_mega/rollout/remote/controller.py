@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -53,6 +54,9 @@ class _Engine:
     results: dict = field(default_factory=dict)
     error: str | None = None
     closed: bool = False
+    send_lock: Any = field(default_factory=threading.Lock)
+    """A trainer may sync weights in one thread while another collects samples: a message's
+    bytes must not interleave with another's."""
 
 
 @dataclass
@@ -114,9 +118,9 @@ class RemoteEngines:
         self._update_start: float | None = None
         self._listener = Listener((host, 0), authkey=bytes.fromhex(self.authkey))
         self.address = self._listener.address
-        procs = {}
+        procs = self._procs = {}
         if launch:
-            procs = {k: spawn(self.address, self.authkey, k, cores=cores[k] if cores else (),
+            procs = self._procs = {k: spawn(self.address, self.authkey, k, cores=cores[k] if cores else (),
                               devices=devices[k] if devices else ()) for k in range(engines)}
         self.engines: list[_Engine] = []
         try:
@@ -186,7 +190,9 @@ class RemoteEngines:
             how += f"; it reported: {e.error.strip()}"
         raise RemoteEngineError(f"engine {e.index} (pid {e.pid}) died while {what}: {how}")
 
-    def _wait(self, e: _Engine, ready, what: str, timeout_s: float | None):
+    def _wait(self, e: _Engine, ready, what: str, timeout_s: float | None, *, quiet: bool = False):
+        """``ready()``'s first non-None value; raises if ``e`` dies meanwhile, or when
+        ``timeout_s`` (default: the engines' timeout) passes (``quiet``: returns None then)."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         with self._cond:
@@ -197,12 +203,20 @@ class RemoteEngines:
                 self._check(e, what)
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    if quiet:
+                        return None
                     raise RemoteEngineError(f"engine {e.index} (pid {e.pid}) gave no answer within "
                                             f"{timeout_s:.0f} s while {what}")
                 self._cond.wait(min(left, 0.2))
 
     def _reply(self, e: _Engine, key, what: str, timeout_s: float | None = None) -> dict:
         return self._wait(e, lambda: e.replies.pop(key, None), what, timeout_s)
+
+    def _request(self, e: _Engine, op: str, what: str, timeout_s: float | None = None, **body) -> dict:
+        """Send ``op`` to engine ``e`` alone and return its reply."""
+        key = next(self._ids)
+        self._send(e, dict(body, op=op, id=key), what)
+        return self._reply(e, key, what, timeout_s)
 
     def _call(self, op: str, what: str, timeout_s: float | None = None, **body) -> list[dict]:
         """Send ``op`` to every engine and return their replies, in engine order."""
@@ -213,7 +227,8 @@ class RemoteEngines:
 
     def _send(self, e: _Engine, msg: dict, what: str) -> None:
         try:
-            wire.send(e.conn, msg)
+            with e.send_lock:
+                wire.send(e.conn, msg)
         except OSError:
             with self._cond:
                 e.closed = True
@@ -259,12 +274,24 @@ class RemoteEngines:
 
     def collect(self, ticket: int, timeout_s: float | None = None) -> RolloutBatch:
         """The ticket's samples (group-major, prompts in submitted order, ``versions`` per
-        token); waits at most ``timeout_s`` (default: the engines' timeout) per engine."""
+        token). Waits at most ``timeout_s`` (None: as long as the engines are alive: an
+        engine that does not answer a ping between two steps within the engines' timeout is
+        taken as hung, and the call fails naming it)."""
         t = self._tickets[ticket]
+        what = f"generating step {t.step}"
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         batches = []
         for k, part in t.parts:
             e = self.engines[k]
-            d = self._wait(e, lambda: e.results.pop(part, None), f"generating step {t.step}", timeout_s)
+            while True:
+                left = self.timeout_s if deadline is None else min(self.timeout_s, deadline - time.monotonic())
+                d = self._wait(e, lambda: e.results.pop(part, None), what, max(left, 0.0), quiet=True)
+                if d is not None:
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise RemoteEngineError(f"engine {e.index} (pid {e.pid}) did not finish within "
+                                            f"{timeout_s:.0f} s while {what}")
+                self._request(e, "stats", what)  # alive between steps? (raises if not)
             batches.append(RolloutBatch.from_dict(d))
         del self._tickets[ticket]
         return RolloutBatch.concat(batches) if batches else t.empty
@@ -365,23 +392,25 @@ class RemoteEngines:
         return {"version": self.version, "engines": per, "updates": list(self.updates)}
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Ask every server to exit, kill those that do not within ``timeout_s``."""
+        """Ask every server to exit, kill those we spawned that do not within ``timeout_s``
+        (idempotent; also after a failed start)."""
         for e in self.engines:
             try:
-                wire.send(e.conn, {"op": "close"})
+                with e.send_lock:
+                    wire.send(e.conn, {"op": "close"})
             except OSError:
                 pass
         deadline = time.monotonic() + timeout_s
+        for proc in self._procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:  # it hangs: kill it
+                proc.kill()
+                proc.wait()
         for e in self.engines:
-            if e.proc is not None:
-                try:
-                    e.proc.wait(max(0.1, deadline - time.monotonic()))
-                except Exception:  # noqa: BLE001 - TimeoutExpired: it hangs, so it is killed
-                    e.proc.kill()
-                    e.proc.wait()
             e.conn.close()
         self._listener.close()
-        self.engines = []
+        self.engines, self._procs = [], {}
 
     shutdown = close
 

@@ -231,8 +231,9 @@ def test_async_update_in_flight_tags_each_token_with_the_version_that_sampled_it
     engine left with wrong weights after an update pushed mid-generation.
 
     1. An update that zeroes the final norm (logits 0: every token then has logprob
-       -log V exactly) lands while requests run: each sample's versions are [v.., v+1..]
-       with the switch mid-way, and exactly the tokens tagged v+1 have logprob -log V.
+       -log V exactly) lands while requests run: no token is sampled between its first
+       bucket and its commit, each sample's versions are [v.., v+1..] with the switch
+       mid-way, and exactly the tokens tagged v+1 have logprob -log V.
     2. B lands while requests run; later greedy samples equal a fresh engine built on B."""
     hold(remote, artifacts, "A")
     p = artifacts["prompts"]
@@ -240,7 +241,14 @@ def test_async_update_in_flight_tags_each_token_with_the_version_that_sampled_it
     flat = {"model.norm.weight": torch.zeros_like(weights(artifacts["A"])["model.norm.weight"])}
     ticket = remote.submit(p, LONG, step=11)
     _wait_for_tokens(remote, at_least=4 * len(p))  # every sample a few tokens in
-    update = push(remote, flat)
+    remote.update_weights(list(flat.items()))
+    # Paused from the first bucket to the commit: no token may be sampled from half-loaded
+    # weights under the old version (the engines answer between steps even while paused).
+    before = [e["tokens"] for e in remote.stats()["engines"]]
+    time.sleep(0.3)
+    assert [e["tokens"] for e in remote.stats()["engines"]] == before, "an engine stepped while paused"
+    remote.update_weights([("model.norm.weight", flat["model.norm.weight"])])  # a second bucket
+    update = remote.commit()
     batch = remote.collect(ticket)
     assert remote.version == v + 1 and [u["version"] for u in update] == [v + 1, v + 1]
     assert all(u["in_flight"] == 1 and u["paused_s"] > 0 for u in update)
