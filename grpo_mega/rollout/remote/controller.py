@@ -185,6 +185,11 @@ class RemoteEngines:
         rc = e.proc.poll() if e.proc is not None else None
         if e.error is None and not e.closed and rc is None:
             return
+        if rc is None and e.proc is not None:
+            try:  # the connection closes a moment before the exit status is there
+                rc = e.proc.wait(2.0)
+            except subprocess.TimeoutExpired:
+                pass
         how = f"exit code {rc}" if rc is not None else "its connection closed"
         if e.error:
             how += f"; it reported: {e.error.strip()}"
