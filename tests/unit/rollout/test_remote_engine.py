@@ -305,16 +305,19 @@ def trainer(artifacts):
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed")
 def test_async_bridge_verification_checks_every_engine(remote, artifacts, trainer):
     """Guards a sync that one engine silently does not apply (a skipped bucket, a probe
-    answered by another engine): ``WeightBridge.sync`` through the proxy moves the servers
-    from B to the trainer's A and verifies every engine; the readings name their engine."""
+    answered by another engine): ``WeightBridge.sync`` through the proxy gives both servers
+    weights neither held before (the trainer's, after a step) and verifies every engine; the
+    readings name their engine."""
     from grpo_mega.bridge import WeightBridge
 
-    hold(remote, artifacts, "B")
     model, cfg, ps = trainer
+    with torch.no_grad():  # new weights, as after an optimizer step
+        for p in model.parameters():
+            p.mul_(1.0 + 1e-2 * torch.rand_like(p))
     bridge = WeightBridge(model, cfg, ps, [remote], bucket_bytes=64 << 10)
     v = remote.version
+    remote.holding = "trainer"
     stats = bridge.sync()  # raises WeightSyncError if an engine differs
-    remote.holding = "A"
     assert stats.buckets > 1 and stats.verified_tensors == stats.tensors
     assert remote.version == v + 1
     readings = remote.probe([("model.norm.weight", None, None)])
