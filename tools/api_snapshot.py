@@ -38,6 +38,9 @@ SPECS = {
             "GPUModelRunner.reload_weights": ("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner",
                                               "reload_weights"),
             "GPUModelRunner.get_model": ("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner", "get_model"),
+            # rollout/remote/stepwise.py drives the engine one step at a time
+            "LLMEngine.add_request": ("vllm/v1/engine/llm_engine.py", "LLMEngine", "add_request"),
+            "LLMEngine.step": ("vllm/v1/engine/llm_engine.py", "LLMEngine", "step"),
         },
         "fields": {
             "EngineArgs": ("vllm/engine/arg_utils.py", ["EngineArgs"]),
@@ -49,6 +52,7 @@ SPECS = {
         },
         "classes": {
             "vllm/inputs/llm.py": ["TokensPrompt"],
+            "vllm/sampling_params.py": ["RequestOutputKind"],
             "vllm/model_executor/layers/linear.py": ["LinearBase", "QKVParallelLinear", "ReplicatedLinear",
                                                      "RowParallelLinear"],
             "vllm/model_executor/layers/fused_moe/modular_kernel.py": ["FusedMoEExperts"],

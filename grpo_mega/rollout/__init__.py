@@ -6,7 +6,10 @@
 ``engine`` holds :class:`RolloutEngine`, one vLLM engine per data-parallel
 replica in external_launcher / child / inprocess mode (see its docstring);
 ``worker`` holds all code that runs inside a vLLM worker (weight reload and
-tied-weight repack, the /dev/shm file transport, the bridge's probe reads).
+tied-weight repack, the /dev/shm file transport, the bridge's probe reads);
+``samples`` the per-request seed, budget check and logprob reading both front ends share;
+``remote`` the engines of ``rollout.placement: separate``, each in its own process, with
+weight updates while requests are in flight (its ``__init__`` says more).
 vLLM itself is imported only when an engine is built.
 
 Tests: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/rollout/test_engine.py``.

@@ -61,7 +61,6 @@ must apply the same transforms.
 from __future__ import annotations
 
 import collections
-import hashlib
 import logging
 import os
 import sys
@@ -71,6 +70,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from grpo_mega.data import shard_for_replica
+from grpo_mega.rollout.samples import check_budgets
+from grpo_mega.rollout.samples import request_seed as _request_seed
+from grpo_mega.rollout.samples import sampled_logprobs as _sampled_logprobs
 from grpo_mega.rollout.sleep import SleepPhases
 from grpo_mega.rollout.types import EngineConfig, RolloutBatch, SamplingConfig, logprobs_mode_for
 from grpo_mega.rollout.worker import clear_dead_weight_files, write_weight_file
@@ -113,14 +115,6 @@ def child_visible_devices(visible: str | None, index: int) -> str:
         raise ValueError(f"device {index} is not in CUDA_VISIBLE_DEVICES={visible!r}: set "
                          "LOCAL_RANK / the visible devices so every rank has its own GPU")
     return ids[index]
-
-
-def _request_seed(base: int | None, step: int, prompt_index: int, n: int) -> int | None:
-    """Per-prompt seed from (base, step, index); vLLM adds 0..n-1 per sample."""
-    if base is None:
-        return None
-    digest = hashlib.sha256(f"{base}:{step}:{prompt_index}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") % (2**31 - n)  # seed + j stays an int32
 
 
 class RolloutEngine(SleepPhases):
@@ -373,14 +367,7 @@ class RolloutEngine(SleepPhases):
         ids = [list(getattr(p, "token_ids", p)) for p in prompts]
         max_len = self.llm.llm_engine.model_config.max_model_len
         budgets = [s.max_new_tokens] * len(ids) if budgets is None else list(budgets)
-        for i, p in enumerate(ids):
-            if not p:
-                raise ValueError(f"prompt {offset + i} is empty")
-            if len(p) + budgets[i] > max_len:
-                # vLLM would reject it mid-batch or cut the response short.
-                raise ValueError(f"prompt {offset + i} has {len(p)} tokens; with max_new_tokens="
-                                 f"{s.max_new_tokens} it exceeds the engine's max_model_len={max_len} "
-                                 "(raise rollout max_model_len or lower data max_prompt_tokens)")
+        check_budgets(ids, budgets, max_len, offset, s.max_new_tokens)
         requests = [TokensPrompt(prompt_token_ids=p) for p in ids]
         keys = [offset + i for i in range(len(ids))] if keys is None else list(keys)
         params = [self._sampling_params(s, _request_seed(s.seed, step, keys[i], s.n), budgets[i])
@@ -486,15 +473,3 @@ class RolloutEngine(SleepPhases):
         torch.set_num_threads = self._set_num_threads
 
     close = shutdown
-
-
-def _sampled_logprobs(completion) -> list[float]:
-    """The logprob of each sampled token (``SamplingParams(logprobs=0)`` returns exactly the
-    sampled token's entry per position; ``flat_logprobs=True`` keeps them in one flat list
-    instead of a dict per token, which vLLM builds and we would walk per token)."""
-    lps, tokens = completion.logprobs, list(completion.token_ids)
-    if lps is None or len(lps) != len(tokens):
-        raise RuntimeError("vLLM returned no per-token logprobs for a sample")
-    if hasattr(lps, "token_ids") and lps.token_ids == tokens:  # FlatLogprobs, one entry per position
-        return list(lps.logprobs)
-    return [float(lps[t][tok].logprob) for t, tok in enumerate(tokens)]

@@ -11,7 +11,7 @@ replica's batch is gathered on every rank (:func:`gather_global`), and each
 trainer DP replica takes its own prompt slice (:func:`prompt_slice`).
 
 Sampling does not depend on the layout: each request's seed is a function of
-(seed, step, global prompt index), see ``engine._request_seed``.
+(seed, step, global prompt index), see ``samples.request_seed``.
 
 Cost: one ``all_gather_object`` of the step's token lists per rollout; each
 rank then holds the global batch's token ids (about 10 MB for 512 samples of

@@ -165,3 +165,41 @@ def test_gpu_ready_worker_reload_fits_vllm_026():
     _bind("Worker.reload_weights", *calls[0])
     bound = _bind("GPUModelRunner.reload_weights", *calls[0])
     assert list(bound.arguments["weights_iterator"])[0][0] == "model.norm.weight"
+
+
+def test_gpu_ready_stepwise_engine_calls_fit_vllm_026(gpu_engine, monkeypatch):
+    """Guards against the engine server of ``rollout.placement: separate`` driving vLLM step by
+    step with calls 0.26.0 lacks (``LLMEngine.add_request``/``step``, ``RequestOutputKind.DELTA``
+    and the ``output_kind`` field): only a GPU job's separate engines make them."""
+    import enum
+
+    from grpo_mega.rollout.remote.stepwise import Stepper
+
+    engine, calls = gpu_engine
+    kinds = types.ModuleType("vllm.sampling_params")
+    kinds.RequestOutputKind = enum.Enum("RequestOutputKind", "CUMULATIVE DELTA FINAL_ONLY")
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", kinds)
+    monkeypatch.setattr(sys.modules["vllm"], "SamplingParams", lambda **kw: types.SimpleNamespace(**kw))
+
+    class LLMEngine:
+        model_config = types.SimpleNamespace(max_model_len=64)
+
+        def add_request(self, *args, **kwargs):
+            calls.append(("LLMEngine.add_request", args, kwargs))
+
+        def step(self, *args, **kwargs):
+            calls.append(("LLMEngine.step", args, kwargs))
+            return []
+
+    engine.llm = types.SimpleNamespace(llm_engine=LLMEngine())
+    stepper = Stepper(engine)
+    stepper.add("t0", [[1, 2, 3]], SamplingConfig(n=2, seed=1, max_new_tokens=4), step=0)
+    assert stepper.step(0) == []
+    adds = [(a, kw) for key, a, kw in calls if key == "LLMEngine.add_request"]
+    assert len(adds) == 2  # one request per sample
+    for args, kw in adds:
+        params = _bind("LLMEngine.add_request", args, kw).arguments["params"]
+        assert params.output_kind.name == "DELTA" and params.n == 1
+    _bind("LLMEngine.step", (), {})
+    assert "output_kind" in SNAP["fields"]["SamplingParams"]
+    assert "RequestOutputKind" in SNAP["classes"]["vllm/sampling_params.py"]
