@@ -29,7 +29,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 POINTS = ("step", "rollout.generate", "reward.score", "update", "bridge.sync", "checkpoint.save",
-          "checkpoint.rotate")
+          "checkpoint.rotate", "async.submit", "async.collect")
+"""``async.*``: asynchronous GRPO (``algorithm.max_staleness``): ``async.submit`` as a step's
+prompts go to the engines, ``async.collect`` as the trainer takes a batch whose generation
+overlapped the previous update (the engines are generating when it fires)."""
 ACTIONS = ("raise", "kill", "nan", "hold")
 ENV = "GRPO_MEGA_FAULT"
 

@@ -65,6 +65,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "skipped": ("flag (0/1)", "1 when the update was skipped for a non-finite gradient norm"),
     # after the update
     "sync_gbps": ("GB/s", "weight sync throughput into the rollout engine (HF bytes / sync seconds)"),
+    "engine_paused_s": ("seconds", "rollout.placement=separate: how long the engines' requests in flight "
+                                   "waited for the weight update (slowest engine, first bucket to resume)"),
+    "engine_load_s": ("seconds", "of engine_paused_s, loading the received tensors into vLLM"),
     "tokens_per_s": ("tokens / s", "prompt + response tokens of the step (all DP replicas, unpadded) over the step's wall time"),
     "ref_reset": ("flag (1)", "iterative GRPO reset the KL reference to the policy after this step"),
     "eval_accuracy": ("fraction", "held-out accuracy: greedy (data.eval_samples=1) or pass@k"),
@@ -72,7 +75,8 @@ METRICS: dict[str, tuple[str, str]] = {
 
 # stage -> meaning; each is logged as ``time/<stage>`` in seconds
 STAGES: dict[str, str] = {
-    "rollout": "sampling rollout.n responses per prompt from the engines (every DAPO round)",
+    "rollout": "sampling rollout.n responses per prompt from the engines (every DAPO round); asynchronous: "
+               "waiting for the batch the engines drew during the previous update",
     "reward": "scoring the samples in the reward workers (every DAPO round)",
     "advantage": "group advantages and packing the TrainingBatch",
     "release": "putting the engine to sleep (rollout.sleep_between_rollouts) before training",
@@ -80,6 +84,7 @@ STAGES: dict[str, str] = {
     "update": "forward, backward and optimizer steps of the policy",
     "resume": "waking the engine up before the weight sync",
     "sync": "exporting the weights into the engines and verifying them",
+    "submit": "asynchronous GRPO: drawing the next step's prompts and queueing them on the engines",
 }
 
 

@@ -38,6 +38,7 @@ import torch.distributed as dist  # noqa: E402
 
 from grpo_mega import faults  # noqa: E402
 from grpo_mega.trainer import stages as S  # noqa: E402
+from grpo_mega.trainer.pipeline import RolloutPipeline  # noqa: E402
 from grpo_mega.trainer.stages import stage  # noqa: E402
 from grpo_mega.trainer.trainer import Trainer, build_trainer  # noqa: E402
 
@@ -47,10 +48,15 @@ def grpo_step(t: Trainer, step: int) -> dict:
     start = time.perf_counter()
     faults.set_step(step)
     faults.fault_point("step")
+    async_stats: dict = {}
     with stage("rollout", timings):
-        prompts, rollout = S.rollout(t, step)
+        if t.pipeline is not None:  # asynchronous: the batch the engines drew while we updated
+            prompts, rollout, async_stats = t.pipeline.take(t, step)
+        else:
+            prompts, rollout = S.rollout(t, step)
     with stage("reward", timings):
         rewards, stats = S.reward(t, prompts, rollout)
+    stats.update(async_stats)
     if t.cfg.algorithm.dynamic_sampling:  # DAPO: further rounds until enough groups have signal
         rollout, rewards = S.refill(t, step, rollout, rewards, stats, timings)
     with stage("advantage", timings):
@@ -69,7 +75,12 @@ def grpo_step(t: Trainer, step: int) -> dict:
         S.resume_engine(t)
     with stage("sync", timings):
         gbps = S.sync(t)
+    if t.pipeline is not None:  # the next prompts start on the weights just synced
+        with stage("submit", timings):
+            t.pipeline.fill(t, step + 1, t.cfg.algorithm.steps)
     metrics.update(S.gather_metrics(t, metrics), **stats, sync_gbps=gbps)
+    if t.pipeline is not None:
+        metrics.update(t.pipeline.update_metrics(t))
     metrics["tokens_per_s"] = batch.num_tokens * t.ps.dp / (time.perf_counter() - start)
     metrics["clipfrac"] = metrics.get("clipfrac_low", 0.0) + metrics.get("clipfrac_high", 0.0)
     metrics.update({f"time/{k}": v for k, v in timings.items()})
@@ -94,6 +105,9 @@ def run(t: Trainer) -> dict:
     limit = cfg.algorithm.time_limit_minutes * 60
     bar = console.bar(total=steps, initial=t.step, desc="[grpo] steps", unit="step",
                       enabled=cfg.logging.progress and t.ps.rank == 0)
+    if cfg.rollout.placement == "separate":  # the batches of the next S + 1 steps stay in flight
+        t.pipeline = RolloutPipeline(cfg.algorithm.max_staleness)
+        t.pipeline.fill(t, t.step + 1, steps)
     while t.step < steps:
         if limit and _agreed_elapsed(t) > limit:
             t.say(f"time limit of {cfg.algorithm.time_limit_minutes} min reached at step {t.step}")

@@ -28,5 +28,25 @@ def check_placement(cfg: Config) -> None:
                           "which needs the engines on their own devices: set --rollout.placement=separate "
                           "(or --algorithm.max_staleness=0)")
     if r.placement == "separate":
-        raise ConfigError("rollout.placement=separate is not available in this build yet (issue 29 in "
-                          "progress); use --rollout.placement=colocated")
+        _check_separate(cfg)
+
+
+def _check_separate(cfg: Config) -> None:
+    r, a = cfg.rollout, cfg.algorithm
+    if r.tp not in (0, 1) or (r.tp == 0 and cfg.parallel.tp != 1):
+        # Each engine server hosts vLLM in its own process with the uni executor.
+        raise ConfigError(f"rollout.placement=separate runs each engine on one device; rollout.tp="
+                          f"{r.tp or cfg.parallel.tp} is not supported there yet: set --rollout.tp=1 "
+                          "(more engines: --rollout.engines)")
+    if cfg.env.name:
+        raise ConfigError("rollout.placement=separate does not play multi-turn episodes yet (env.name="
+                          f"{cfg.env.name!r}); use --rollout.placement=colocated")
+    if a.dynamic_sampling:
+        raise ConfigError("algorithm.dynamic_sampling draws extra prompts mid-step, which the asynchronous "
+                          "pipeline's prompt accounting does not follow yet: use --algorithm.dynamic_sampling="
+                          "false with --rollout.placement=separate")
+    if r.engine_devices and len(r.engine_devices) != r.engines:
+        raise ConfigError(f"rollout.engine_devices lists {len(r.engine_devices)} device(s) for "
+                          f"rollout.engines={r.engines} engines of one device each (--rollout.engine_devices)")
+    if len(set(r.engine_devices)) != len(r.engine_devices):
+        raise ConfigError(f"rollout.engine_devices={r.engine_devices} names a device twice (--rollout.engine_devices)")

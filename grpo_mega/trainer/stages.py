@@ -60,6 +60,9 @@ def _generate(t: Trainer, prompts: list[Prompt], step: int,
     if t.episodes is not None:  # multi-turn: whole episodes against the environment
         from grpo_mega.trainer.episodes import play
         return play(t, prompts, step, sampling)
+    if t.cfg.rollout.placement == "separate":  # engines in their own processes, fed by rank 0
+        from grpo_mega.trainer.pipeline import generate_separate
+        return generate_separate(t, prompts, step, sampling)
     t.engine.resume()  # a no-op unless something released it since the last sync
     return t.engine.generate_resharded(prompts, sampling, step=step, to_rank=t.ps.dp_rank,
                                        to_size=t.ps.dp, progress=progress)
@@ -366,6 +369,8 @@ def sync(t: Trainer) -> float:
     """Trainer weights -> engine in place (verified when configured), then the engine's KV
     cache wakes; returns GB/s. The engine stays awake after it, for evaluation and the next
     step's rollouts."""
+    if t.cfg.rollout.placement == "separate":
+        t.engine.next_version = t.step  # the engines' tokens from now on: policy version = step
     gbps = t.bridge.sync().gbps
     t.engine.wake_kv_cache()
     return gbps
@@ -432,7 +437,10 @@ def checkpoint(t: Trainer) -> None:
     the reference too once a reset has made it differ from the initial weights."""
     from grpo_mega.checkpoint import save_checkpoint
 
-    common = {"model": dataclasses.asdict(t.cfg.model), "data": t.dataset.state_dict(),
+    # Asynchronous GRPO: the position before the oldest batch still in flight, so a resumed
+    # run draws (and samples anew) every prompt not yet trained on: none skipped, none twice.
+    data = t.pipeline.data_state(t) if t.pipeline is not None else t.dataset.state_dict()
+    common = {"model": dataclasses.asdict(t.cfg.model), "data": data,
               "scheduler": t.scheduler.state_dict(), "eval_initial": t.eval_initial,
               "eval_last": t.eval_last, "ref_reset_step": t.ref_reset_step}
     reference = t.ref if t.ref_reset_step is not None else None

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega import console
-from grpo_mega.config import Config, ConfigError, cli_config
+from grpo_mega.config import Config, ConfigError, cli_config, rollout_tp
 from grpo_mega.preflight.shape import model_shape_from_hf
 from grpo_mega.preflight.validate import check_tokenizer_fits, reward_specs, validate
 
@@ -68,6 +68,9 @@ class Trainer:
     episodes: Optional[Any] = None
     """Multi-turn runs (``env.name``): the chat codec, environment factory and limits
     (``trainer.episodes.EpisodeSetup``); None for single-turn prompts."""
+    pipeline: Optional[Any] = None
+    """Asynchronous GRPO (``rollout.placement: separate``): the batches in flight
+    (``trainer.pipeline.RolloutPipeline``); None in the colocated, synchronous loop."""
 
     @property
     def pad_id(self) -> int:
@@ -262,23 +265,27 @@ def build_trainer(argv=None) -> Trainer:
     from grpo_mega.rollout import EngineConfig, RolloutEngine, SamplingConfig
     from grpo_mega.rollout.layout import engine_block
     r = cfg.rollout
-    # The engine's own blocks of rollout.tp consecutive ranks, not megatron's replicas:
-    # vLLM's external launcher needs consecutive ranks, megatron puts PP outermost.
-    block, engine_index, engines = engine_block(rollout_tp(cfg))
-    say(f"rollout: {engines} engine replica(s) of {rollout_tp(cfg)} consecutive rank(s)")
-    engine = RolloutEngine(
-        EngineConfig(model=cfg.model.hf_checkpoint, mode=r.engine_mode, max_model_len=r.max_model_len,
-                     gpu_memory_utilization=r.gpu_memory_utilization, colocate=r.sleep_between_rollouts,
-                     seed=r.seed, logprobs_mode="processed_logprobs",
-                     extra={"use_tqdm_on_load": False} if quiet else {}),
-        SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=max(r.top_k, 0),
-                       max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=r.seed),
-        replica_group=block, dp_rank=engine_index, dp_size=engines)
+    engine_cfg = EngineConfig(model=cfg.model.hf_checkpoint, mode=r.engine_mode, max_model_len=r.max_model_len,
+                              gpu_memory_utilization=r.gpu_memory_utilization, colocate=r.sleep_between_rollouts,
+                              seed=r.seed, logprobs_mode="processed_logprobs",
+                              extra={"use_tqdm_on_load": False} if quiet else {})
+    sampling = SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=max(r.top_k, 0),
+                              max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=r.seed)
+    if r.placement == "separate":
+        engine = _separate_engines(cfg, ps, engine_cfg, sampling, version=meta["step"] if meta else 0, say=say)
+    else:
+        # The engine's own blocks of rollout.tp consecutive ranks, not megatron's replicas:
+        # vLLM's external launcher needs consecutive ranks, megatron puts PP outermost.
+        block, engine_index, engines = engine_block(rollout_tp(cfg))
+        say(f"rollout: {engines} engine replica(s) of {rollout_tp(cfg)} consecutive rank(s)")
+        engine = RolloutEngine(engine_cfg, sampling, replica_group=block, dp_rank=engine_index, dp_size=engines)
 
     from grpo_mega.bridge import WeightBridge
     bridge = WeightBridge(model, cfg.model, ps, engines=[engine], verify=r.verify_sync,
                           bucket_bytes=int(r.sync_bucket_mb * 2**20))
     if meta is not None:
+        if r.placement == "separate":
+            engine.next_version = meta["step"]  # token versions count optimizer steps
         bridge.sync()  # the engine started from the HF weights; give it the resumed ones
 
     from grpo_mega.trainer.episodes import build_episodes
@@ -306,3 +313,31 @@ def build_trainer(argv=None) -> Trainer:
         t.ref_reset_step = meta.get("ref_reset_step")
     say(f"ready: {cfg.algorithm.steps} steps of {cfg.data.prompts_per_step} prompts x {r.n} samples")
     return t
+
+
+def _separate_engines(cfg: Config, ps: ParallelState, engine_cfg, sampling, *, version: int, say):
+    """``rollout.placement: separate``: ``rollout.engines`` engine processes driven from global
+    rank 0 (the other ranks get a stand-in the weight bridge skips). GPU: each engine takes
+    ``rollout.tp`` ids of ``rollout.engine_devices``. CPU: each engine is pinned to one core
+    the trainer's ranks leave free, when the machine has enough (else the OS places it)."""
+    from grpo_mega.rollout.remote import remote_engines
+
+    r, etp = cfg.rollout, rollout_tp(cfg)
+    devices: list = []
+    if ps.device.type == "cuda":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", ps.world_size))  # the trainer's devices: 0..local-1
+        ids = list(r.engine_devices) or list(range(local, local + r.engines * etp))
+        if set(ids) & set(range(local)) or max(ids) >= torch.cuda.device_count():
+            raise ConfigError(f"rollout.engine_devices={ids}: the engines need devices the trainer's {local} "
+                              f"rank(s) on this node do not use, among the {torch.cuda.device_count()} visible "
+                              "(--rollout.engine_devices, or fewer trainer ranks per node)")
+        devices = [ids[k * etp:(k + 1) * etp] for k in range(r.engines)]
+    cores: list = []
+    free = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if ps.device.type == "cpu" and len(free) >= ps.world_size + r.engines:
+        cores = [[c] for c in free[-r.engines:]]
+    say(f"rollout: {r.engines} engine process(es) of {etp} device(s), separate from the trainer"
+        + (f" (cores {[c[0] for c in cores]})" if cores else ""))
+    return remote_engines(ps.rank, engine_cfg, sampling, engines=r.engines, devices=devices, cores=cores,
+                          version=version, timeout_s=cfg.parallel.timeout_minutes * 60)
+

@@ -1,0 +1,177 @@
+"""Asynchronous GRPO: the rollout pipeline (``algorithm.max_staleness`` S with
+``rollout.placement: separate``).
+
+What: the engines run in their own processes (``grpo_mega.rollout.remote``) and keep
+generating while the trainer updates. The pipeline keeps the prompt batches of the next
+S + 1 steps submitted: after the weight sync that ends step k (policy version k) it submits
+step k + S + 1's prompts, and step k + 1 takes its batch, which the engines started at
+version k - S or later. A weight update reaches the engines while requests are in flight;
+they pause, load, verify and go on, and every sampled token records the version that drew
+it (``RolloutBatch.versions``).
+
+Guarantees, and how:
+
+* **Strict per-token bound.** A group with any token older than ``current - S`` (current =
+  the version the update starts from, step - 1) is never trained: ``take`` re-samples its
+  prompt at once with the current weights (drop-and-refill; the step keeps its prompts).
+  The submission depth makes this impossible in normal running, so the count
+  (``staleness/violations``) is 0 by construction and checked again before the update.
+* **Exactly-once prompts across a kill.** A checkpoint stores the data position *before*
+  the oldest batch still in flight (``data_state``), not the position after the newest
+  draw, so a resumed run draws the in-flight prompts again and samples them anew with the
+  restored weights (their in-flight samples died with the job). No prompt is skipped,
+  none is trained twice; ``prompts.jsonl`` in the run directory records each step's prompt
+  uids so the accounting can be checked.
+* **S = 0** never builds a pipeline with colocated engines: the loop is today's code.
+
+Liveness: ``collect`` waits at most ``parallel.timeout_minutes``; an engine that died or
+hangs raises there on global rank 0 naming the engine, and every other rank gets the same
+error from ``run_on_src`` instead of waiting in a collective.
+"""
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch.distributed as dist
+
+from grpo_mega.distributed.errors import run_on_src
+from grpo_mega.faults import fault_point
+from grpo_mega.rollout.layout import prompt_slice
+from grpo_mega.rollout.types import RolloutBatch
+
+if TYPE_CHECKING:
+    from grpo_mega.data import Prompt
+    from grpo_mega.rollout import SamplingConfig
+    from grpo_mega.trainer.trainer import Trainer
+
+
+@dataclass
+class InFlight:
+    """One step's prompts, submitted to the engines and not yet trained on."""
+
+    step: int
+    prompts: list[Prompt]
+    data_before: dict
+    """The dataset position before these prompts were drawn (what a checkpoint stores)."""
+    ticket: Any = None
+    """The engines' handle for the request (global rank 0 only)."""
+
+
+def _on_rank0(t: Trainer, fn, what: str):
+    """``fn()`` on global rank 0, its result (or its error) on every rank."""
+    return run_on_src(fn, 0, None, what) if t.ps.world_size == 1 else run_on_src(fn, 0, dist.group.WORLD, what)
+
+
+def generate_separate(t: Trainer, prompts: list[Prompt], step: int,
+                      sampling: Optional[SamplingConfig] = None) -> RolloutBatch:
+    """Synchronous generation on separate engines (evaluation, re-sampling): rank 0 submits
+    and collects, every rank gets the global batch and keeps its DP replica's prompt slice."""
+    timeout = t.cfg.parallel.timeout_minutes * 60
+
+    def run() -> dict:
+        return t.engine.collect(t.engine.submit(prompts, sampling, step=step), timeout_s=timeout).to_dict()
+
+    whole = RolloutBatch.from_dict(_on_rank0(t, run, f"generation of step {step}"))
+    return prompt_slice(whole, len(prompts), t.ps.dp_rank, t.ps.dp)
+
+
+class RolloutPipeline:
+    """The batches of the next ``depth`` = S + 1 steps, submitted ahead of the update."""
+
+    def __init__(self, max_staleness: int):
+        self.max_staleness = max_staleness
+        self.depth = max_staleness + 1
+        self.queue: deque[InFlight] = deque()
+
+    # ------------------------------------------------------------------ submit
+
+    def fill(self, t: Trainer, next_step: int, last_step: int) -> None:
+        """Submit the prompts of steps ``next_step .. next_step + S`` (at most ``last_step``)
+        that are not in flight yet. Call right after a weight sync, so they start on it."""
+        want = min(next_step + self.depth - 1, last_step)
+        step = self.queue[-1].step + 1 if self.queue else next_step
+        while step <= want:
+            before = t.dataset.state_dict()
+            prompts = t.dataset.next_batch(t.cfg.data.prompts_per_step)
+            item = InFlight(step, prompts, before)
+            fault_point("async.submit")
+            if t.ps.rank == 0:
+                item.ticket = t.engine.submit(prompts, None, step=step)
+            self.queue.append(item)
+            step += 1
+
+    def data_state(self, t: Trainer) -> dict:
+        """The data position a checkpoint stores: before the oldest untrained batch."""
+        return self.queue[0].data_before if self.queue else t.dataset.state_dict()
+
+    # -------------------------------------------------------------------- take
+
+    def take(self, t: Trainer, step: int) -> tuple[list[Prompt], RolloutBatch, dict[str, float]]:
+        """Step ``step``'s prompts and this DP replica's samples (over-stale groups already
+        re-sampled), with the staleness metrics of the global batch."""
+        if not self.queue or self.queue[0].step != step:
+            have = [i.step for i in self.queue]
+            raise RuntimeError(f"async pipeline out of order: step {step} wants its batch, in flight: {have}")
+        item = self.queue.popleft()
+        current = step - 1  # the policy version the update of this step starts from
+        timeout = t.cfg.parallel.timeout_minutes * 60
+
+        def collect() -> tuple[dict, dict]:
+            fault_point("async.collect")
+            batch = t.engine.collect(item.ticket, timeout_s=timeout)
+            batch, stats = self._within_bound(t, batch, item.prompts, step, current, timeout)
+            return batch.to_dict(), stats
+
+        whole, stats = _on_rank0(t, collect, f"collecting the rollouts of step {step}")
+        whole = RolloutBatch.from_dict(whole)
+        self._record(t, step, item.prompts)
+        return item.prompts, prompt_slice(whole, len(item.prompts), t.ps.dp_rank, t.ps.dp), stats
+
+    def _within_bound(self, t: Trainer, batch: RolloutBatch, prompts: list[Prompt], step: int,
+                      current: int, timeout: float) -> tuple[RolloutBatch, dict[str, float]]:
+        """Drop the over-stale groups and sample their prompts again with the newest weights
+        (same step and prompt keys, so the same seeds); then the guard: no token past the
+        bound reaches the update. Rank 0 only."""
+        from grpo_mega.trainer.staleness import StalenessStats, check_bound, split_over_stale
+
+        split = split_over_stale(batch, current, self.max_staleness)
+        parts, counts = [split.kept], [split.stats]
+        if split.resample:
+            redo = t.engine.collect(t.engine.submit([prompts[i] for i in split.resample], None, step=step,
+                                                    keys=split.resample), timeout_s=timeout)
+            redo.prompt_index = [split.resample[i] for i in redo.prompt_index]  # back to this batch's
+            again = split_over_stale(redo, current, self.max_staleness)
+            parts.append(again.kept)
+            counts.append(again.stats)
+            if again.resample:  # sampled on the current weights: cannot be stale, unless the engine lies
+                raise RuntimeError(f"step {step}: prompts {again.resample} sampled again on policy version "
+                                   f"{current} came back older than the bound")
+        whole = RolloutBatch.concat(parts) if len(parts) > 1 else parts[0]
+        # Group-major in prompt order again, as a synchronous batch (the DP deal cuts by prompt).
+        order = sorted(range(len(whole)), key=lambda i: (whole.prompt_index[i], i))
+        whole = whole.take(order)
+        check_bound(whole, current, self.max_staleness)
+        return whole, StalenessStats.combine(counts).metrics()
+
+    def update_metrics(self, t: Trainer) -> dict[str, float]:
+        """The last weight update as the engines saw it (global rank 0, which logs):
+        ``engine_paused_s`` (slowest engine, first bucket to resume: its requests waited this
+        long) and ``engine_load_s`` (of that, loading into vLLM)."""
+        updates = getattr(t.engine, "updates", None) if t.ps.rank == 0 else None
+        if not updates:
+            return {}
+        engines = updates[-1]["engines"]
+        return {"engine_paused_s": max(e.get("paused_s", 0.0) for e in engines),
+                "engine_load_s": max(e.get("load_s", 0.0) for e in engines)}
+
+    def _record(self, t: Trainer, step: int, prompts: list[Prompt]) -> None:
+        """``prompts.jsonl``: the uids each step trains on (the exactly-once accounting)."""
+        if t.ps.rank == 0:
+            path = Path(t.cfg.logging.run_dir) / "prompts.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as f:
+                f.write(json.dumps({"step": step, "uids": [p.uid for p in prompts]}) + "\n")
