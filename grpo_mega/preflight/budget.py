@@ -233,12 +233,13 @@ def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = 80.0) -> Budget:
     etp = rollout_tp(cfg)
     b.engine_tp = etp
     share = r.gpu_memory_utilization * gpu_gib
-    replicas = max(layout.world // etp, 1)
+    separate = r.placement == "separate"  # the engines sit on their own GPUs, one per process
+    replicas = r.engines if separate else max(layout.world // etp, 1)
     # vLLM's MoE layers shard the experts over all ranks of its DP x TP ("flatten TP across
     # DP", vllm FusedMoEParallelConfig): in external_launcher mode the engine replicas are
     # vLLM's DP ranks, so the experts are split over the whole world; other modes run one
     # engine per replica (DP 1) holding every expert on each of its TP shards.
-    engine_dp = replicas if r.engine_mode in ("auto", "external_launcher") else 1
+    engine_dp = replicas if r.engine_mode in ("auto", "external_launcher") and not separate else 1
     ew = ((pc.total - pc.experts_total) / etp + pc.experts_total / (etp * engine_dp)) * wb / GiB
     kv = share - ew - ENGINE_OVERHEAD_GIB
     b.engine.append(Row("engine share", share, f"rollout.gpu_memory_utilization={r.gpu_memory_utilization}"))
@@ -260,6 +261,9 @@ def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = 80.0) -> Budget:
     # vLLM maps fresh memory at wake-up: torch's cache is emptied first (rollout/sleep.py),
     # what torch still holds is counted, and the KV cache wakes only after the sync.
     b.wake_up_gib = resident + (ew if r.sleep_between_rollouts else share) + RUNTIME_RESERVE_GIB
+    if separate:  # a trainer GPU never holds an engine: every phase is the trainer's alone
+        b.rollout_phase_gib = b.wake_up_gib = resident + RUNTIME_RESERVE_GIB
+        b.training_phase_gib = trainer_peak + RUNTIME_RESERVE_GIB
     b.peak_gib = max(b.rollout_phase_gib, b.training_phase_gib, b.wake_up_gib)
     return b
 
@@ -296,8 +300,11 @@ def report(cfg: Config, layout: Layout, budget: Budget, source: str = "") -> str
         f"step(s) x {cfg.algorithm.ppo_epochs} epoch(s); per DP rank {layout.micro_batches} "
         f"micro-batch(es) of {p.micro_batch_size}; seq {layout.seq_len}; "
         f"pipeline bubble {layout.bubble:.1%}",
-        f"rollout engine: {mode}, engine TP {budget.engine_tp} x {max(layout.world // budget.engine_tp, 1)} "
-        f"replicas, max_model_len {r.max_model_len}, {budget.seqs_per_engine} sequences/step per replica",
+        (f"rollout engines: separate, {r.engines} process(es) on their own GPU(s) (the engine rows below are "
+         f"each engine GPU's; the trainer's GPUs hold none), max_model_len {r.max_model_len}, "
+         f"{budget.seqs_per_engine} sequences/step per engine" if r.placement == "separate" else
+         f"rollout engine: {mode}, engine TP {budget.engine_tp} x {max(layout.world // budget.engine_tp, 1)} "
+         f"replicas, max_model_len {r.max_model_len}, {budget.seqs_per_engine} sequences/step per replica"),
         "",
         f"memory per GPU (worst pipeline stage, GiB of {budget.gpu_gib:g}):",
     ]

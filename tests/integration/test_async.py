@@ -56,7 +56,8 @@ def test_async_s0_on_separate_engines_equals_the_synchronous_loop_for_20_steps(t
     that sample differently from the colocated one (seeds, logprobs mode), prompts dealt in
     another order, or a weight sync that reaches the engine process incompletely. With
     ``max_staleness: 0`` the separate engine must give the colocated loop's metrics and
-    final weights for 20 steps."""
+    final weights for 20 steps, with no group drawn ahead of its weights (a pipeline one
+    step too deep: its groups would be dropped and re-sampled, hiding in the metrics)."""
     steps = 20
     runs = {}
     for placement in ("colocated", "separate"):
@@ -70,6 +71,7 @@ def test_async_s0_on_separate_engines_equals_the_synchronous_loop_for_20_steps(t
         for key in ("reward_mean", "reward_std", "response_len", "loss", "kl", "grad_norm", "clipfrac"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-9), (step, key, a[step], b[step])
         assert b[step]["staleness_frac_0"] == 1.0 and b[step]["staleness_bound_violations"] == 0
+        assert b[step]["stale_groups_dropped"] == 0  # none drawn too early (then re-sampled)
     wa = _weights(runs["colocated"] / "checkpoints" / f"step_{steps:08d}")
     wb = _weights(runs["separate"] / "checkpoints" / f"step_{steps:08d}")
     assert set(wa) == set(wb) and any(not k.startswith("optimizer.") for k in wa)

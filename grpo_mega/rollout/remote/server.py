@@ -196,7 +196,12 @@ def main(argv=None) -> int:
     ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
     ap.add_argument("--connect-timeout", type=float, default=60.0)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"[engine {args.index}] %(message)s")
+    # The libraries' INFO lines (Triton probes, each weight reload) stay out of the trainer's
+    # console, as in a colocated run; the server's own lines (start-up, exit) stay in.
+    verbose = os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper() not in ("ERROR", "WARNING")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format=f"[engine {args.index}] %(message)s")
+    log.setLevel(logging.INFO)
     if args.parent_pid:
         from grpo_mega.lifeline import watch_parent
 

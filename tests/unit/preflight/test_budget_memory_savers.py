@@ -49,3 +49,24 @@ def test_gpu_ready_budget_wake_up_counts_what_torch_still_holds():
         assert abs(b.wake_up_gib - (held + b.row("engine weights") + RUNTIME_RESERVE_GIB)) < 1e-9
         assert b.peak_gib >= b.wake_up_gib
         assert "wake-up" in report(cfg, layout, b)
+
+
+def test_budget_separate_engines_leave_the_trainer_gpus_to_the_trainer():
+    """Guards against a budget that charges the engine's share to the trainer's GPUs when
+    the engines run on their own (``rollout.placement: separate``), so a layout that fits
+    is refused, or one engine per trainer replica counted instead of ``rollout.engines``.
+    Each phase of a trainer GPU is then the trainer's own rows plus the reserve, and the
+    engine rows describe one engine GPU."""
+    from grpo_mega.preflight.budget import RUNTIME_RESERVE_GIB, report
+
+    base = ["--rollout.tp=1", "--parallel.tp=8", "--parallel.pp=4"]
+    cfg = load_config(CONFIG, base + ["--rollout.placement=separate", "--rollout.engines=16"])
+    layout = derive_layout(cfg, 64)
+    b = memory_budget(cfg, layout)
+    resident = sum(r.gib for r in b.trainer[:4])
+    assert abs(b.training_phase_gib - (sum(r.gib for r in b.trainer) + RUNTIME_RESERVE_GIB)) < 1e-9
+    assert abs(b.rollout_phase_gib - (resident + RUNTIME_RESERVE_GIB)) < 1e-9
+    assert b.seqs_per_engine == -(-layout.samples_per_step // 16)
+    colocated = memory_budget(load_config(CONFIG, base), layout)
+    assert colocated.training_phase_gib > b.training_phase_gib or colocated.rollout_phase_gib > b.rollout_phase_gib
+    assert "16 process(es) on their own GPU(s)" in report(cfg, layout, b)
