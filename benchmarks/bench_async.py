@@ -16,6 +16,8 @@ Runs (pick with --runs):
   sync-dp2      colocated, torchrun world 2 = DP 2, an engine in each rank (both cores)
   async-s1      ``rollout.placement: separate`` (one engine process pinned to one core, the
                 trainer on the other), ``algorithm.max_staleness: 1``
+  async-s1-cap  the same with the importance weight capped (``algorithm.tis_cap: 2``)
+  async-dp2-s1  the trainer at DP 2 (both cores) and the engine process beside it (3 processes)
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_async.py --steps 40
 """
@@ -35,6 +37,8 @@ RUNS = {
     "sync-w1": ([], 1),
     "sync-dp2": ([], 2),
     "async-s1": (["--rollout.placement=separate", "--algorithm.max_staleness=1"], 1),
+    "async-s1-cap": (["--rollout.placement=separate", "--algorithm.max_staleness=1", "--algorithm.tis_cap=2"], 1),
+    "async-dp2-s1": (["--rollout.placement=separate", "--algorithm.max_staleness=1"], 2),
 }
 
 

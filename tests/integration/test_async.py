@@ -107,12 +107,17 @@ def test_async_sigkill_at_every_phase_then_resume_trains_every_prompt_exactly_on
     staleness bound broken under S = 1 (a token older than one version trained). The whole
     job (trainer and engine process) is SIGKILLed mid-generation (the engine drawing the
     next batch), mid-update, mid-sync (an in-flight weight update) and mid-checkpoint, and
-    restarted each time with the same command. Every step's prompts must be the data
-    cursor's, each exactly once over the run."""
+    restarted each time with the same command, at DP 2 (a rank without an engine, samples
+    dealt from rank 0). Every step's prompts must be the data cursor's, each exactly once
+    over the run."""
     steps = 6
     run = tmp_path / "killed"
-    cmd = _train(*_args(run, steps, "--rollout.placement=separate", "--algorithm.max_staleness=1",
-                        "--checkpoint.save_every=1", "--checkpoint.keep_last=2"))
+    # Trainer at DP 2 (torchrun, rank 1 holds no engine and gets its share from rank 0) and
+    # one engine process: three processes on two cores.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           *_train(*_args(run, steps, "--rollout.placement=separate", "--algorithm.max_staleness=1",
+                          "--algorithm.tis_cap=2", "--checkpoint.save_every=1",
+                          "--checkpoint.keep_last=2", "--parallel.micro_batch_size=16"))[1:]]
     for fault, latest in (("async.collect:hold@0#2", 1), ("update:hold@0#3", 2),
                           ("bridge.sync:hold:1@0#4", 3), ("checkpoint.save:hold@0#5", 4)):
         job = Job(cmd, fault)

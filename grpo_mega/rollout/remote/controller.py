@@ -431,6 +431,9 @@ class NoEngine:
     bridge skips it (``holds_engine`` False) and every weight call is a no-op."""
 
     holds_engine = False
+    # The same layout facts as RemoteEngines: the trainer reads them on every rank.
+    dp_size, dp_rank, replica_group, replica_leader, lockstep = 1, 0, None, 0, False
+    next_version: int | None = None
 
     def __init__(self, sampling: SamplingConfig | None = None):
         self.sampling = sampling or SamplingConfig()
