@@ -285,3 +285,22 @@ class RolloutEngineProtocol(Protocol):
     def wake_kv_cache(self) -> None:
         """After the sync: map the KV cache back (a no-op where nothing sleeps)."""
         ...
+
+
+class AsyncRolloutEngineProtocol(RolloutEngineProtocol, Protocol):
+    """What asynchronous GRPO (``rollout.placement: separate``) also calls, on global rank 0
+    (``grpo_mega.rollout.remote.RemoteEngines``; the other ranks' stand-in ignores it)."""
+
+    next_version: int | None
+    """The policy version the next weight update gives the engines' tokens (the trainer
+    step); None: the current version + 1."""
+
+    def submit(self, prompts: Sequence[Any], sampling: Any = None, *, step: int,
+               keys: Sequence[int] | None = None) -> Any:
+        """Queue ``n`` samples per prompt and return at once; a ticket for ``collect``."""
+        ...
+
+    def collect(self, ticket: Any, timeout_s: float | None = None) -> RolloutBatch:
+        """The ticket's samples, group-major, with per-token ``versions``; raises naming the
+        engine if one died or did not answer in time."""
+        ...

@@ -4,7 +4,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from grpo_mega.rollout import RolloutEngineProtocol
+from grpo_mega.rollout import AsyncRolloutEngineProtocol, RolloutEngineProtocol
 
 PKG = Path(__file__).resolve().parents[3] / "grpo_mega"
 
@@ -28,7 +28,21 @@ def test_protocol_covers_what_the_trainer_calls_on_its_engine():
     protocol, as the docs invite, would fail at the first rollout."""
     used = _engine_members_used([*(PKG / "trainer").glob("*.py"), PKG / "train.py",
                                  *(PKG / "bridge").glob("*.py")])
-    declared = ({n for n in dir(RolloutEngineProtocol) if not n.startswith("_")}
-                | set(RolloutEngineProtocol.__annotations__))  # methods, and data members
-    assert "generate_resharded" in used
-    assert used <= declared, f"used on an engine but not in RolloutEngineProtocol: {sorted(used - declared)}"
+    def declared(proto) -> set[str]:
+        names = set()
+        for cls in proto.__mro__:  # methods, and data members (annotations of each level)
+            names |= {n for n in vars(cls) if not n.startswith("_")} | set(getattr(cls, "__annotations__", {}))
+        return names - {"register"}
+
+    sync = _engine_members_used([p for p in (PKG / "trainer").glob("*.py") if p.name != "pipeline.py"]
+                                + [PKG / "train.py", *(PKG / "bridge").glob("*.py")])
+    every = sync | _engine_members_used([PKG / "trainer" / "pipeline.py"])
+    assert "generate_resharded" in sync and {"submit", "collect"} <= every
+    # The asynchronous pipeline and the separate-placement branches may use the async API;
+    # every member used anywhere must be declared by one of the two protocols.
+    extra = declared(AsyncRolloutEngineProtocol) - declared(RolloutEngineProtocol)
+    assert extra == {"next_version", "submit", "collect"}, extra
+    assert every <= declared(AsyncRolloutEngineProtocol), (
+        f"used on an engine but in neither protocol: {sorted(every - declared(AsyncRolloutEngineProtocol))}")
+    assert sync - {"next_version"} <= declared(RolloutEngineProtocol), (
+        f"used on an engine but not in RolloutEngineProtocol: {sorted(sync - declared(RolloutEngineProtocol))}")
