@@ -66,7 +66,6 @@ def _full_kl_rank(rank, world):
     with torch.no_grad():
         for _, p in sorted(ref.named_parameters(), key=lambda kv: kv[0]):
             p.add_(p.abs().mean().clamp(min=0.02) * torch.randn(p.shape, generator=g))
-    ref_start = {k: v.clone() for k, v in ref.state_dict().items() if torch.is_tensor(v)}
     start = copy.deepcopy(model.state_dict())
 
     # Event log: which model ran on which tokens, and which earlier reference outputs are
@@ -128,14 +127,12 @@ def _full_kl_rank(rank, world):
     params = list(model.parameters())
     kl_share = max_abs_diff_all([p.grad for p in params],
                                 [q if q is not None else torch.zeros_like(p) for p, q in zip(params, pg_grads)])
-    ref_unchanged = all(torch.equal(v, ref.state_dict()[k]) for k, v in ref_start.items())
     return {"metrics": metrics, "loss64": float(loss64.detach()),
             "kl64": float(kl64[b.loss_mask].mean()), "grad_diff": grad_diff, "grad_scale": scale,
             "kl_grad_share": kl_share, "order": order, "same_tokens": same_tokens,
             "ref_alive_at_next": [e[2] for e in ref_events],
             "ref_ran_with_grad": any(e[3] for e in ref_events),
-            "ref_grads_none": all(p.grad is None for p in ref.parameters()),
-            "ref_unchanged": ref_unchanged}
+            "ref_grads_none": all(p.grad is None for p in ref.parameters())}
 
 
 def _shared_rank(rank, world):
@@ -185,7 +182,10 @@ def test_reference_runs_per_micro_batch_inside_the_schedule_one_shard_alive():
 @pytest.mark.slow
 def test_full_kl_update_leaves_the_reference_untouched():
     """Guards against gradients flowing into the frozen reference (its forward must run
-    with autograd off and build no graph) or the update changing its weights."""
+    with autograd off and build no graph). The update cannot change the reference's
+    weights (they are in no optimizer), so that is not checked here: the one place that
+    writes them, the iterative-GRPO reset, is tested for aliasing the policy in
+    tests/unit/trainer/test_reference_reset.py."""
     for r in _launch():
         assert not r["ref_ran_with_grad"]
-        assert r["ref_grads_none"] and r["ref_unchanged"]
+        assert r["ref_grads_none"]

@@ -41,7 +41,6 @@ def _update_rank(rank, world, policy_dir, ref_dir, pp):
     model, ref = build_model(cfg, ps), build_model(cfg, ps, frozen=True)
     load_hf_weights(model, policy_dir, ps, cfg)
     load_hf_weights(ref, ref_dir, ps, cfg)
-    ref_start = {k: v.clone() for k, v in ref.state_dict().items() if torch.is_tensor(v)}
     algo = AlgorithmConfig(kl_coef=KL_COEF, kl_kind="full", clip_low=0.2, clip_high=0.28)
     opt = Recording(model, OptimizerConfig(lr=1e-3), ps)
     micro = _batch().split(2)  # 3 micro-batches of widths 6, 7, 6
@@ -53,8 +52,7 @@ def _update_rank(rank, world, policy_dir, ref_dir, pp):
     return {"metrics": metrics if ps.is_last_stage else None,
             # numpy: torch tensors would cross the queue as shared memory that dies with the rank
             "grads": {n: g.numpy() for n, g in zip(names, opt.grads)},
-            "weights": {n: p.detach().numpy().copy() for n, p in zip(names, model.parameters())},
-            "ref_unchanged": all(torch.equal(v, ref.state_dict()[k]) for k, v in ref_start.items())}
+            "weights": {n: p.detach().numpy().copy() for n, p in zip(names, model.parameters())}}
 
 
 @functools.lru_cache(maxsize=None)
@@ -88,4 +86,3 @@ def test_pp2_full_kl_update_equals_pp1(tmp_path_factory):
     assert max_abs_diff_all(stages, one["grads"]) <= 1e-5 * scale
     weights = {**s0["weights"], **s1["weights"]}
     assert max_abs_diff_all(weights, one["weights"], keys=one["weights"]) <= 1e-6
-    assert one["ref_unchanged"] and s0["ref_unchanged"] and s1["ref_unchanged"]
