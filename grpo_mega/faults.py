@@ -29,10 +29,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 POINTS = ("step", "rollout.generate", "reward.score", "update", "bridge.sync", "checkpoint.save",
-          "checkpoint.rotate", "async.submit", "async.collect")
+          "checkpoint.rotate", "async.submit", "async.collect", "remote.start")
 """``async.*``: asynchronous GRPO (``algorithm.max_staleness``): ``async.submit`` as a step's
 prompts go to the engines, ``async.collect`` as the trainer takes a batch whose generation
-overlapped the previous update (the engines are generating when it fires)."""
+overlapped the previous update (the engines are generating when it fires). ``remote.start``:
+in an engine server process, after it has its configuration and before it builds its engine
+(``hold`` there stands for a long vLLM start, during which the server reads no messages)."""
 ACTIONS = ("raise", "kill", "nan", "hold")
 ENV = "GRPO_MEGA_FAULT"
 

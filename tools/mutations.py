@@ -112,6 +112,9 @@ def run_one(m: Mutation, tree: Path, python: str) -> tuple[str, str, float]:
     if proc.returncode != 1:
         tail = " | ".join(out.strip().splitlines()[-3:])
         return "ERROR", f"pytest exit {proc.returncode}: {tail}", dt
+    if not failed:  # exit 1 with no failing test: e.g. pytest missing from --python's env
+        tail = " | ".join(out.strip().splitlines()[-3:])
+        return "ERROR", f"pytest exit 1 but no test failed (is {python} the project's venv?): {tail}", dt
     # Every listed id (a node id, or a file / test-function prefix of parametrized ids) must fail.
     passed = [t for t in m.tests if not any(f == t or f.startswith(t + "[") or f.startswith(t + "::")
                                             for f in failed)]

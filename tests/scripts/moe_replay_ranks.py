@@ -14,6 +14,7 @@ batch's rollout log-probs are set to the old-policy ones, so ``rollout_logp_gap`
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 from pathlib import Path
@@ -98,14 +99,22 @@ def _run(root: Path, tp: int, pp: int, ep: int, mode: str) -> dict:
                                adv[rows], pad_id=0)
     log: list = []
     handles = _observe(model, log)
+    batch.ref_logp = batch.empty_logp()  # unused by the loss (kl_coef 0): the gap's reference
     plan = stages.logprobs(t, batch)
     shapes = [tuple(mb.tokens.shape) for mb in plan.flat]
     old_seen = _per_micro(log, shapes)
     log.clear()
     if ps.is_last_stage:
         batch.rollout_logp.copy_(batch.old_logp)  # rollout_logp_gap then measures |logp - old_logp|
+    _reference_after_first_step(t, plan, log)
     metrics = stages.update(t, plan)
     update_seen = _per_micro(log, shapes)
+    ref_sum, ref_n = 0.0, 0.0
+    if ps.is_last_stage and ps.tp_rank == 0:  # TP ranks hold the same log-probs
+        for mb in plan.minis[1]:
+            m = mb.loss_mask.double()
+            ref_sum += float(((mb.ref_logp.double() - mb.old_logp.double()).abs() * m).sum())
+            ref_n += float(m.sum())
     for h in handles:
         h.remove()
     return {"dp_rank": ps.dp_rank, "dp": ps.dp, "pp_rank": ps.pp_rank, "shapes": shapes,
@@ -113,7 +122,35 @@ def _run(root: Path, tp: int, pp: int, ep: int, mode: str) -> dict:
             "old_seen": old_seen, "update_seen": update_seen,
             "routed": None if batch.routed_experts is None else batch.routed_experts.clone(),
             "replayed_flag": plan.replay_routing, "gap_mb2": float(metrics.get("rollout_logp_gap", 0.0)),
-            "is_last_stage": ps.is_last_stage}
+            "is_last_stage": ps.is_last_stage, "ref_gap_sum": ref_sum, "ref_gap_tokens": ref_n}
+
+
+def _reference_after_first_step(t, plan, log: list) -> None:
+    """The gap's independent reference: right after mini-batch 1's optimizer step, a
+    forward-only pass over mini-batch 2 (routing replayed when the update replays it)
+    writes its log-probs into ``mb.ref_logp``; the test takes mean |ref_logp - old_logp|
+    over mini-batch 2's response tokens in fp64 itself. The router hooks' entries of this
+    extra pass are dropped, so the observed update passes stay the update's own."""
+    from grpo_mega.models import routing as R
+    from grpo_mega.trainer.batch import compute_logprobs
+
+    opt, step, calls = t.optimizer, t.optimizer.step, []
+
+    def step_then_measure(*a, **kw):
+        info = step(*a, **kw)
+        calls.append(1)
+        if len(calls) == 1:
+            mark = len(log)
+            with torch.no_grad():
+                for mb in plan.minis[1]:
+                    ctx = R.replaying(t.model, mb.routed_experts) if plan.replay_routing else contextlib.nullcontext()
+                    with ctx:
+                        compute_logprobs(t.model, [mb], t.ps, vocab_size=t.cfg.model.vocab_size,
+                                         temperature=1.0, key="ref_logp")
+            del log[mark:]
+        return info
+
+    opt.step = step_then_measure
 
 
 def _row_starts(plan):

@@ -40,6 +40,7 @@ import time
 import traceback
 from multiprocessing.connection import Client
 
+from grpo_mega.faults import fault_point
 from grpo_mega.rollout.remote import wire
 
 log = logging.getLogger("grpo_mega.rollout.remote.server")
@@ -218,6 +219,7 @@ def main(argv=None) -> int:
         cfg = wire.recv(conn)
         if cfg["op"] != "config":
             raise ValueError(f"expected the controller's config, got {cfg['op']!r}")
+        fault_point("remote.start")
         return EngineServer(conn, args.index, cfg).serve()
     except EOFError:
         log.info("controller closed the connection; exiting")

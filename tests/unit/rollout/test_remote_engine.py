@@ -379,29 +379,38 @@ def test_async_server_exits_when_the_controller_connection_drops(remote):
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed")
-def test_async_server_stops_when_the_controller_process_dies(artifacts):
+def test_async_server_stops_when_the_controller_process_dies(artifacts, tmp_path):
     """Guards an engine server left running (holding its device and cores) after its
     controller was SIGKILLed while the server was still starting its engine: the lifeline
-    stops it within seconds (the connection alone would tell it only once vLLM is up)."""
+    stops it within seconds. The connection alone would tell it only once vLLM is up, so the
+    server is held at ``remote.start`` (config received, engine not built, no message read)
+    and the controller is killed only once the server says it is there: the kill lands in
+    the start-up window every time, however fast the machine."""
     import psutil
 
     script = ("from grpo_mega.rollout import EngineConfig\n"
               "from grpo_mega.rollout.remote import RemoteEngines\n"
               f"RemoteEngines(EngineConfig({artifacts['A']!r}, max_model_len={MAX_LEN}), engines=1)\n")
-    ctl = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ))
+    log = tmp_path / "controller.log"
+    env = dict(os.environ, GRPO_MEGA_FAULT="remote.start:hold")
+    with open(log, "w") as out:
+        ctl = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=out,
+                               stderr=subprocess.STDOUT)
+    servers = []
     try:
-        deadline = time.monotonic() + 60
-        servers = []
-        while not servers and time.monotonic() < deadline:
-            time.sleep(0.5)
-            servers = [c for c in psutil.Process(ctl.pid).children()
-                       if "grpo_mega.rollout.remote.server" in " ".join(c.cmdline())]
+        deadline = time.monotonic() + 90
+        while "fault injected: hold at remote.start" not in log.read_text():
+            assert ctl.poll() is None, f"the controller exited early:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no server reached remote.start:\n{log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        servers = [c for c in psutil.Process(ctl.pid).children()
+                   if "grpo_mega.rollout.remote.server" in " ".join(c.cmdline())]
         assert servers, "the controller spawned no server"
-        time.sleep(2)  # the server is importing / connecting
     finally:
         ctl.kill()
         ctl.wait()
-    gone, alive = psutil.wait_procs(servers, timeout=15)
+    gone, alive = psutil.wait_procs(servers, timeout=10)
     for p in alive:
         p.kill()
     assert not alive, "engine server outlived its controller"
+    assert "is gone; stopping" in log.read_text(), "the server stopped, but not by its lifeline"

@@ -14,6 +14,7 @@ from grpo_mega.config import ConfigError, load_config
 from grpo_mega.models.routing import from_router_rows, to_router_rows
 from grpo_mega.preflight.validate import validate
 from grpo_mega.trainer.batch import TrainingBatch
+from tests.compare import assert_close, worst
 from tests.scripts import moe_replay_ranks as M
 
 MOE = ["--model.family=qwen3_moe", "--model.num_experts=4", "--model.moe_ffn_hidden_size=16"]
@@ -157,14 +158,28 @@ def test_moe_recorded_routing_does_not_depend_on_the_layout(reports):
 
 
 def test_moe_old_vs_update_logprob_gap_is_reported(reports, capsys):
-    """Guards against the gap measurement silently measuring nothing (no old-policy pass,
-    or a zero gap): mini-batch 2's mean |logp - old_logp| after one optimizer step, with and
-    without replay, at every layout; the numbers are in docs/guides/moe.md."""
+    """Guards against a gap measurement that measures something else: mini-batch 2's mean
+    |logp - old_logp| after one optimizer step must equal an independent fp64 reference
+    (a forward-only pass over mini-batch 2 right after that step, same routing mode; the
+    mean taken here over every replica's response tokens), at every layout and mode. A
+    gap over padding, signed, per sequence, of another mini-batch, or not reduced over DP
+    fails it; so does a zero gap or a NaN. The numbers are in docs/guides/moe.md."""
     lines = []
     for layout in LAYOUT_KEYS:
-        gaps = {mode: max(r[f"{layout} {mode}"]["gap_mb2"] for r in reports) for mode in ("off", "record-in-trainer")}
+        gaps = {}
+        for mode in ("off", "record-in-trainer"):
+            runs = [r[f"{layout} {mode}"] for r in reports]
+            measured = [run["gap_mb2"] for run in runs if run["is_last_stage"]]
+            total = sum(run["ref_gap_sum"] for run in runs)
+            tokens = sum(run["ref_gap_tokens"] for run in runs)
+            assert tokens > 0, (layout, mode, "the reference saw no tokens")
+            ref = total / tokens
+            assert ref > 1e-3, (layout, mode, ref, "one optimizer step moved nothing: the test proves nothing")
+            for g in measured:  # every last-stage rank reports the DP-reduced gap
+                assert_close(torch.tensor(g, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64),
+                             rtol=1e-4, atol=1e-7, msg=f"{layout} {mode}: gap {g} vs reference {ref}")
+            gaps[mode] = worst(measured)
         flips = sum(_flips(r[f"{layout} off"]) for r in reports)
-        assert all(g > 0 for g in gaps.values()), gaps
         lines.append(f"{layout}: gap off {gaps['off']:.5f}, record-in-trainer {gaps['record-in-trainer']:.5f}, "
                      f"flips without replay {flips} (summed over ranks; TP ranks repeat)")
     with capsys.disabled():
