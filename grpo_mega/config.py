@@ -268,7 +268,10 @@ class DataConfig:
     prompts_per_step: int = 8
     """Prompts per GRPO step (global, across DP)."""
     mini_batch_size: int = 0
-    """Sequences per optimizer step; 0 means the whole step's batch."""
+    """Sequences per optimizer step; 0 means the whole step's batch. Each mini-batch holds
+    whole prompt groups and each DP replica takes its share of every one, so a step with
+    several gives the same update at every DP size: prompts_per_step must be a multiple of
+    (mini-batches per step) x dp."""
     seed: int = 0
     """Shuffle seed (order is a function of seed and epoch)."""
     eval_every: int = 10
@@ -371,6 +374,13 @@ def derived_dp(cfg: Config, world_size: int) -> int:
     """Data-parallel size: ``parallel.dp``, or the world size over tp x pp when 0."""
     mp = cfg.parallel.tp * cfg.parallel.pp
     return cfg.parallel.dp or max(world_size // mp, 1)
+
+
+def mini_batches_per_step(cfg: Config) -> int:
+    """Optimizer steps per PPO epoch: the step's samples over ``data.mini_batch_size``
+    (1 when it is 0, the whole batch)."""
+    samples = cfg.data.prompts_per_step * cfg.rollout.n
+    return samples // (cfg.data.mini_batch_size or samples)
 
 
 def rollout_tp(cfg: Config) -> int:

@@ -433,6 +433,14 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
     if d.prompts_per_step % dp:
         raise ConfigError(f"data.prompts_per_step={d.prompts_per_step} is not divisible by dp={dp} "
                           f"(--data.prompts_per_step)")
+    minis = samples // mini
+    if minis > 1 and d.prompts_per_step % (minis * dp):
+        # Each replica takes its share of every mini-batch's prompts (rollout.layout.prompt_slice),
+        # so each optimizer step sees the same prompts at every DP size: whole prompt groups.
+        raise ConfigError(f"data.mini_batch_size={mini} splits the step's {d.prompts_per_step} prompts into "
+                          f"{minis} mini-batches, which must each hold whole groups of rollout.n={r.n} "
+                          f"samples and split over dp={dp}: make data.prompts_per_step a multiple of "
+                          f"{minis * dp}, or --data.mini_batch_size a multiple of rollout.n x dp = {r.n * dp}")
 
     _check_rollout_layout(cfg, world_size, check_hardware)
 

@@ -346,18 +346,18 @@ class RolloutEngine(SleepPhases):
 
     def generate_resharded(self, global_prompts: Sequence[Any], sampling: SamplingConfig | None = None,
                            *, step: int | None = None, to_rank: int = 0, to_size: int = 1,
-                           progress: bool = False) -> RolloutBatch:
+                           progress: bool = False, mini_batches: int = 1) -> RolloutBatch:
         """The samples of slice ``to_rank`` of ``to_size`` of the global prompt batch (a
         trainer DP replica's share), whatever the engine layout: each engine replica samples
         its own slice, the slices are gathered on every rank and cut anew
-        (``rollout.layout``). Collective over the world."""
+        (``rollout.layout``; ``mini_batches``: see ``prompt_slice``). Collective over the world."""
         from grpo_mega.rollout.layout import gather_global, prompt_slice
 
         mine = self.generate_for_replica(global_prompts, sampling, step=step, progress=progress)
         if _dist_world()[1] == 1:
-            return prompt_slice(mine, len(global_prompts), to_rank, to_size)
+            return prompt_slice(mine, len(global_prompts), to_rank, to_size, mini_batches)
         everything = gather_global(mine, contributes=_dist_world()[0] == self._replica_ranks[0])
-        return prompt_slice(everything, len(global_prompts), to_rank, to_size)
+        return prompt_slice(everything, len(global_prompts), to_rank, to_size, mini_batches)
 
     def _generate_local(self, prompts: Sequence[Any], s: SamplingConfig, step: int,
                         offset: int, use_tqdm: bool = False, keys: Sequence[int] | None = None,

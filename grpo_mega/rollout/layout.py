@@ -68,14 +68,22 @@ def gather_global(batch: Optional[RolloutBatch], contributes: bool) -> RolloutBa
     return RolloutBatch.concat(batches)
 
 
-def prompt_slice(batch: RolloutBatch, num_prompts: int, index: int, count: int) -> RolloutBatch:
-    """The samples of prompts [index*num_prompts/count, (index+1)*num_prompts/count) of a
-    global batch of ``num_prompts`` prompts (``prompt_index`` stays global)."""
-    if num_prompts % count:
-        raise ValueError(f"{num_prompts} prompts do not split over {count} replicas; make the prompt "
-                         "batch a multiple of the trainer's dp size")
-    per = num_prompts // count
-    return batch.select(range(index * per, (index + 1) * per))
+def prompt_slice(batch: RolloutBatch, num_prompts: int, index: int, count: int,
+                 mini_batches: int = 1) -> RolloutBatch:
+    """Replica ``index`` of ``count``'s samples of a global batch of ``num_prompts`` prompts
+    (``prompt_index`` stays global): of each of the step's ``mini_batches`` consecutive
+    blocks of prompts, its ``index``-th share, block after block. Each optimizer step then
+    sees the same prompts at every DP size: a replica cuts its mini-batches from its rows in
+    order, and its j-th one is its share of the step's j-th block (a contiguous slice of the
+    whole batch would give DP=2's first step prompts 0-3 and 8-11 of 16, DP=1's 0-7)."""
+    if num_prompts % (count * mini_batches):
+        raise ValueError(f"{num_prompts} prompts do not split into {mini_batches} mini-batch(es) over "
+                         f"{count} replicas; make the prompt batch a multiple of the trainer's dp size "
+                         "times its mini-batches per step")
+    block = num_prompts // mini_batches
+    per = block // count
+    starts = [m * block + index * per for m in range(mini_batches)]
+    return batch.select(p for s in starts for p in range(s, s + per))
 
 
 def _check_order(batches: Sequence[RolloutBatch]) -> None:

@@ -279,9 +279,9 @@ def _to_batch(codec: TurnCodec, episodes: list[_Episode], g: int, seconds: float
 def generate_episodes(engine, global_rows: Sequence[dict], codec: TurnCodec, make_env: Callable[[], Environment],
                       sampling: SamplingConfig, limits: EpisodeLimits, *, step: int, to_rank: int = 0,
                       to_size: int = 1, share: Callable[[Callable[[], Any]], Any] = _local_share,
-                      any_active: Optional[Callable[[bool], bool]] = None) -> RolloutBatch:
-    """The episodes of slice ``to_rank`` of ``to_size`` of the global rows (a trainer DP
-    replica's share), whatever the engine layout: like ``RolloutEngine.generate_resharded``,
+                      any_active: Optional[Callable[[bool], bool]] = None, mini_batches: int = 1) -> RolloutBatch:
+    """The episodes of share ``to_rank`` of ``to_size`` of the global rows (a trainer DP
+    replica's share of each of ``mini_batches`` blocks, ``prompt_slice``), whatever the engine layout: like ``RolloutEngine.generate_resharded``,
     each engine replica plays its own slice of the rows, and the episodes are gathered and
     cut anew. Collective over the world. ``share``/``any_active``: see :func:`run_episodes`
     (the trainer passes collectives over the engine replica and over the world)."""
@@ -304,6 +304,6 @@ def generate_episodes(engine, global_rows: Sequence[dict], codec: TurnCodec, mak
                          share=share, any_active=lockstep, dummy_ids=dummy)
     rank, world = _dist_world()
     if world == 1:
-        return prompt_slice(batch, len(global_rows), to_rank, to_size)
+        return prompt_slice(batch, len(global_rows), to_rank, to_size, mini_batches)
     everything = gather_global(batch, contributes=rank == engine.replica_leader)
-    return prompt_slice(everything, len(global_rows), to_rank, to_size)
+    return prompt_slice(everything, len(global_rows), to_rank, to_size, mini_batches)

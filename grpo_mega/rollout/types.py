@@ -248,9 +248,10 @@ class RolloutEngineProtocol(Protocol):
 
     def generate_resharded(self, global_prompts: Sequence[Any], sampling: Any = None, *,
                            step: int | None = None, to_rank: int = 0, to_size: int = 1,
-                           progress: bool = False) -> RolloutBatch:
-        """The samples of slice ``to_rank`` of ``to_size`` of the global prompt batch (one
-        trainer DP replica's share), whatever the engine layout. Collective over the world."""
+                           progress: bool = False, mini_batches: int = 1) -> RolloutBatch:
+        """The samples of share ``to_rank`` of ``to_size`` of the global prompt batch (one
+        trainer DP replica's share of each of the step's ``mini_batches`` blocks of prompts,
+        ``rollout.layout.prompt_slice``), whatever the engine layout. Collective over the world."""
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Any:

@@ -42,9 +42,10 @@ def build_episodes(cfg, tokenizer) -> Optional[EpisodeSetup]:
     return EpisodeSetup(codec, lambda: make_env(cfg.env.name, cfg.env.kwargs), limits)
 
 
-def play(t, prompts: list, step: int, sampling=None) -> Any:
-    """This DP replica's share of the step's episodes (a ``RolloutBatch``); ``t`` is the
-    ``Trainer`` (not imported: ``trainer.py`` imports this module)."""
+def play(t, prompts: list, step: int, sampling=None, mini_batches: int = 1) -> Any:
+    """This DP replica's share of the step's episodes (a ``RolloutBatch``; ``mini_batches``:
+    see ``rollout.layout.prompt_slice``); ``t`` is the ``Trainer`` (not imported:
+    ``trainer.py`` imports this module)."""
     engine, setup = t.engine, t.episodes
     rows = [{"messages": [dict(m) for m in p.messages], "prompt": p.text, "answer": p.reference,
              "uid": p.uid, **dict(p.metadata)} for p in prompts]
@@ -63,7 +64,7 @@ def play(t, prompts: list, step: int, sampling=None) -> Any:
     t.engine.resume()
     return generate_episodes(engine, rows, setup.codec, setup.make_env, sampling or engine.sampling,
                              setup.limits, step=step, to_rank=t.ps.dp_rank, to_size=t.ps.dp,
-                             share=share, any_active=any_active)
+                             share=share, any_active=any_active, mini_batches=mini_batches)
 
 
 def episode_stats(batch) -> list[float]:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 
+from grpo_mega.config import mini_batches_per_step
 from grpo_mega.distributed.errors import run_on_src
 from grpo_mega.faults import fault_point
 from grpo_mega.rollout.layout import prompt_slice
@@ -67,16 +68,17 @@ def _on_rank0(t: Trainer, fn, what: str):
 
 
 def generate_separate(t: Trainer, prompts: list[Prompt], step: int,
-                      sampling: Optional[SamplingConfig] = None) -> RolloutBatch:
+                      sampling: Optional[SamplingConfig] = None, mini_batches: int = 1) -> RolloutBatch:
     """Synchronous generation on separate engines (evaluation, re-sampling): rank 0 submits
-    and collects, every rank gets the global batch and keeps its DP replica's prompt slice."""
+    and collects, every rank gets the global batch and keeps its DP replica's share
+    (``prompt_slice``)."""
     timeout = t.cfg.parallel.timeout_minutes * 60
 
     def run() -> dict:
         return t.engine.collect(t.engine.submit(prompts, sampling, step=step), timeout_s=timeout).to_dict()
 
     whole = RolloutBatch.from_dict(_on_rank0(t, run, f"generation of step {step}"))
-    return prompt_slice(whole, len(prompts), t.ps.dp_rank, t.ps.dp)
+    return prompt_slice(whole, len(prompts), t.ps.dp_rank, t.ps.dp, mini_batches)
 
 
 class RolloutPipeline:
@@ -129,7 +131,8 @@ class RolloutPipeline:
         whole, stats = _on_rank0(t, collect, f"collecting the rollouts of step {step}")
         whole = RolloutBatch.from_dict(whole)
         self._record(t, step, item.prompts)
-        return item.prompts, prompt_slice(whole, len(item.prompts), t.ps.dp_rank, t.ps.dp), stats
+        share = prompt_slice(whole, len(item.prompts), t.ps.dp_rank, t.ps.dp, mini_batches_per_step(t.cfg))
+        return item.prompts, share, stats
 
     def _within_bound(self, t: Trainer, batch: RolloutBatch, prompts: list[Prompt], step: int,
                       current: int, timeout: float) -> tuple[RolloutBatch, dict[str, float]]:

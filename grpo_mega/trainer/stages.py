@@ -32,6 +32,7 @@ import torch.distributed as dist
 from grpo_mega import algorithms as A
 from grpo_mega import models
 from grpo_mega.algorithms.vocab_parallel_triton import use_fused
+from grpo_mega.config import mini_batches_per_step
 from grpo_mega.distributed.errors import run_on_src
 from grpo_mega.faults import fault_point
 from grpo_mega.models.precision import seq_multiple
@@ -55,17 +56,20 @@ def stage(name: str, timings: dict[str, float]) -> Iterator[None]:
         timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
 
 
-def _generate(t: Trainer, prompts: list[Prompt], step: int,
-              sampling: Optional[SamplingConfig] = None, progress: bool = False) -> RolloutBatch:
+def _generate(t: Trainer, prompts: list[Prompt], step: int, sampling: Optional[SamplingConfig] = None,
+              progress: bool = False, mini_batches: int = 1) -> RolloutBatch:
+    """This DP replica's share of the samples of ``prompts``: of each of ``mini_batches``
+    blocks of them, its share (``rollout.layout.prompt_slice``), so that every optimizer
+    step sees the same prompts at every DP size."""
     if t.episodes is not None:  # multi-turn: whole episodes against the environment
         from grpo_mega.trainer.episodes import play
-        return play(t, prompts, step, sampling)
+        return play(t, prompts, step, sampling, mini_batches)
     if t.cfg.rollout.placement == "separate":  # engines in their own processes, fed by rank 0
         from grpo_mega.trainer.pipeline import generate_separate
-        return generate_separate(t, prompts, step, sampling)
+        return generate_separate(t, prompts, step, sampling, mini_batches)
     t.engine.resume()  # a no-op unless something released it since the last sync
     return t.engine.generate_resharded(prompts, sampling, step=step, to_rank=t.ps.dp_rank,
-                                       to_size=t.ps.dp, progress=progress)
+                                       to_size=t.ps.dp, progress=progress, mini_batches=mini_batches)
 
 
 # ------------------------------------------------------------------------- rollout
@@ -80,7 +84,7 @@ def rollout(t: Trainer, step: int, round: int = 0) -> tuple[list[Prompt], Rollou
         # prompts do not reuse the first round's random streams index for index.
         sampling = dataclasses.replace(t.engine.sampling, seed=t.engine.sampling.seed + round)
     fault_point("rollout.generate")
-    return prompts, _generate(t, prompts, step, sampling)
+    return prompts, _generate(t, prompts, step, sampling, mini_batches=mini_batches_per_step(t.cfg))
 
 
 def refill(t: Trainer, step: int, batch: RolloutBatch, rewards: list, stats: dict[str, float],

@@ -10,10 +10,11 @@ re-initialising megatron's groups between layouts), twice per layout:
   k3 against a reference that differs from the policy, eight micro-batches of the whole
   batch, ratio exactly 1);
 * surrogate active: a Qwen3 (per-head QK-norms, TP-replicated with partial grads) dealt
-  to the DP replicas by the trainer's own ``rollout.layout.prompt_slice`` and run through
-  the trainer's own ``stages.logprobs`` (reference and old-policy passes) and
-  ``stages.update``: two PPO epochs, so the second step's ratio is not 1 and its clip
-  fractions are not 0, with a gradient-norm clip that fires on both steps.
+  to the DP replicas by the trainer's own ``rollout.layout.prompt_slice`` (each replica's
+  share of each mini-batch) and run through the trainer's own ``stages.logprobs``
+  (reference and old-policy passes) and ``stages.update``: two mini-batches, so the second
+  step's ratio is not 1 and its clip fractions are not 0, and each optimizer step must see
+  the same prompts at every DP size, with a gradient-norm clip that fires on both steps.
 
 Guarantee (fp32), in a form that holds on every host: the reduced gradients equal TP1's
 within 1e-5 of their scale, the metrics within relative 1e-5, and the weights within the
@@ -45,20 +46,20 @@ MICRO = 16  # rows per micro-batch of the whole batch (8 of 128); a DP replica g
 # 2e-5, with eps 1e-6 by 1.22e-5, measured). The weight check allows exactly that.
 EPS = 1e-6
 LR = 1e-3
-# The surrogate-active replay: Qwen3 at the demo's size, the whole batch as one mini-batch
-# for two PPO epochs. (Not several mini-batches: the trainer cuts mini-batches from each DP
-# replica's own rows, so at DP=2 mini-batch 1 holds other prompts than at DP=1, and a
-# multi-mini-batch step is not layout-invariant; see the README's known limits.)
-Q3_LR, Q3_EPS, Q3_CLIP, Q3_EPOCHS = 2e-2, 1e-6, 0.3, 2
+# The surrogate-active replay: Qwen3 at the demo's size, the batch in two mini-batches, one
+# PPO epoch (the mini-batch deal is what a DP layout could get wrong: before prompt_slice
+# dealt each mini-batch, DP=2's first step saw other prompts than DP=1's, loss 1.57 vs 2.05).
+Q3_LR, Q3_EPS, Q3_CLIP, Q3_MINIS = 2e-2, 1e-6, 0.3, 2
 
 
 def _name(tp, pp, dp):
     return "x".join(f"{k}{v}" for k, v in (("tp", tp), ("pp", pp), ("dp", dp)) if v > 1) or "tp1"
 
 
-def _dealt_by_the_trainer(whole, n, dp, dp_rank, pad_id, pad_multiple, device):
+def _dealt_by_the_trainer(whole, n, dp, dp_rank, pad_id, pad_multiple, device, mini_batches):
     """This replica's rows of the recorded whole batch, cut the way the trainer cuts a step's
-    rollouts (``rollout.layout.prompt_slice``, whole prompt groups of ``n``) and packed by
+    rollouts (``rollout.layout.prompt_slice``: its share of each of ``mini_batches`` blocks,
+    whole prompt groups of ``n``) and packed by
     ``TrainingBatch.pack`` as ``stages.advantage`` packs them (the advantages travel with
     their rows)."""
     from grpo_mega.rollout.layout import prompt_slice
@@ -75,7 +76,7 @@ def _dealt_by_the_trainer(whole, n, dp, dp_rank, pad_id, pad_multiple, device):
     rows = len(whole)
     rb = RolloutBatch(prompt_ids=prompts, response_ids=responses, logprobs=logps,
                       finish_reasons=["stop"] * rows, prompt_index=[i // n for i in range(rows)], group_size=n)
-    mine = prompt_slice(rb, rows // n, dp_rank, dp)
+    mine = prompt_slice(rb, rows // n, dp_rank, dp, mini_batches)
     keep = set(mine.prompt_index)
     adv = whole.advantages[[i for i in range(rows) if rb.prompt_index[i] in keep]]
     return TrainingBatch.pack(mine.prompt_ids, mine.response_ids, mine.logprobs, adv, pad_id=pad_id,
@@ -91,7 +92,7 @@ def _surrogate_replay(ps, q3_dir, q3_ref_dir, batch_path, recording_cls):
 
     from grpo_mega.checkpoint.convert import load_hf_weights
     from grpo_mega.checkpoint.hf_files import read_hf_config
-    from grpo_mega.config import load_config
+    from grpo_mega.config import load_config, mini_batches_per_step
     from grpo_mega.models import build_model
     from grpo_mega.models.hf_config import model_config_from_hf
     from grpo_mega.models.layout import canonical_state_dict
@@ -100,9 +101,10 @@ def _surrogate_replay(ps, q3_dir, q3_ref_dir, batch_path, recording_cls):
     from grpo_mega.trainer.batch import TrainingBatch
     from grpo_mega.trainer.trainer import Trainer
 
+    whole = TrainingBatch.load(batch_path)
     cfg = load_config(str(CONFIG), [f"--parallel.tp={ps.tp}", f"--parallel.pp={ps.pp}",
                                     f"--parallel.micro_batch_size={MICRO // ps.dp}",
-                                    f"--algorithm.ppo_epochs={Q3_EPOCHS}", "--algorithm.kl_coef=0.5",
+                                    f"--data.mini_batch_size={len(whole) // Q3_MINIS}", "--algorithm.kl_coef=0.5",
                                     f"--optimizer.lr={Q3_LR}", f"--optimizer.eps={Q3_EPS}",
                                     f"--optimizer.clip_grad={Q3_CLIP}"])
     cfg.model = dataclasses.replace(model_config_from_hf(read_hf_config(q3_dir)), make_vocab_size_divisible_by=2)
@@ -114,10 +116,12 @@ def _surrogate_replay(ps, q3_dir, q3_ref_dir, batch_path, recording_cls):
     t = Trainer(cfg=cfg, ps=ps, model=model, ref=ref, optimizer=opt, scheduler=sched, tokenizer=None,
                 dataset=None, eval_set=None, engine=None, bridge=None, scorer=None, sink=None, ckpt_dir=None)
     before = canonical_state_dict(model, ps, cfg.model.num_layers, cfg.model.vocab_size)
-    batch = _dealt_by_the_trainer(TrainingBatch.load(batch_path), cfg.rollout.n, ps.dp, ps.dp_rank, pad_id=3,
-                                  pad_multiple=seq_multiple(cfg.model, ps.tp), device=ps.device)
+    assert len(whole) == cfg.data.prompts_per_step * cfg.rollout.n, "the recording is one step of this config"
+    batch = _dealt_by_the_trainer(whole, cfg.rollout.n, ps.dp, ps.dp_rank, pad_id=3,
+                                  pad_multiple=seq_multiple(cfg.model, ps.tp), device=ps.device,
+                                  mini_batches=mini_batches_per_step(cfg))
     plan = stages.logprobs(t, batch)
-    assert plan.off_policy and len(plan.minis) == 1, (plan.off_policy, len(plan.minis))
+    assert plan.off_policy and len(plan.minis) == Q3_MINIS, (plan.off_policy, len(plan.minis))
     metrics = stages.update(t, plan)
     weights = canonical_state_dict(model, ps, cfg.model.num_layers, cfg.model.vocab_size)
     return model, metrics, weights, opt.history, before
@@ -318,8 +322,9 @@ def test_layout_invariance_surrogate_active_qwen3_clipped_gives_tp1_update(repla
     twice or misses one (the clip fires on every step here), old log-probs computed on the
     wrong rows or at the wrong layout (the ratio of the second epoch is not 1), clip
     fractions counted over one replica or stage, and a DP deal of the batch that differs
-    from the trainer's. The recorded batch is dealt and run by the trainer's own code
-    (``prompt_slice``, ``stages.logprobs``, ``stages.update``) for two PPO epochs; every
+    from the trainer's, including one whose mini-batches hold other prompts at DP 2 than at
+    DP 1. The recorded batch is dealt and run by the trainer's own code
+    (``prompt_slice``, ``stages.logprobs``, ``stages.update``) in two mini-batches; every
     layout must reproduce each step's reduced gradients (1e-5 of their scale) and clip
     coefficient, the last step's loss, KL, entropy, clip fractions, rollout gap and grad norm
     (relative 1e-5) and the weights within the bound Adam allows (``_adam_bound``)."""

@@ -57,6 +57,8 @@ def test_wrong_type_in_yaml_names_field_and_file(tmp_path):
     (["--parallel.tp=2"], 3, "world size 3 is not divisible"),
     (["--parallel.micro_batch_size=3"], 1, "micro_batch_size"),
     (["--data.mini_batch_size=5"], 1, "mini_batch_size"),
+    (["--data.prompts_per_step=2", "--rollout.n=8", "--data.mini_batch_size=8", "--parallel.micro_batch_size=1"],
+     2, "whole groups of rollout.n=8 samples and split over dp=2"),
     (["--parallel.dp=2"], 1, "parallel.dp=2"),
     (["--algorithm.kl_kind=k9"], 1, "algorithm.kl_kind"),
     (["--rollout.max_model_len=16"], 1, "rollout.max_model_len"),

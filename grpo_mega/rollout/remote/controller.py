@@ -313,7 +313,7 @@ class RemoteEngines:
 
     def generate_resharded(self, global_prompts: Sequence[Any], sampling: SamplingConfig | None = None,
                            *, step: int | None = None, to_rank: int = 0, to_size: int = 1,
-                           progress: bool = False) -> RolloutBatch:
+                           progress: bool = False, mini_batches: int = 1) -> RolloutBatch:
         """Slice ``to_rank`` of ``to_size`` of the samples; only for a trainer of one process
         (a larger world needs rank 0 to hand the other ranks their slices: the trainer's job)."""
         from grpo_mega.rollout.layout import prompt_slice
@@ -322,7 +322,7 @@ class RemoteEngines:
             raise NotImplementedError("RemoteEngines.generate_resharded inside a world > 1: "
                                       "collect on rank 0 and scatter the slices in the trainer")
         batch = self.generate(global_prompts, sampling, step=step)
-        return prompt_slice(batch, len(global_prompts), to_rank, to_size)
+        return prompt_slice(batch, len(global_prompts), to_rank, to_size, mini_batches)
 
     # -- weights (RolloutEngineProtocol) --------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]

@@ -46,6 +46,31 @@ def test_concat_then_prompt_slice_returns_whole_groups_of_that_slice():
         RolloutBatch.concat([_batch([0]), _batch([1], n=3)])
 
 
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_prompt_slice_gives_each_mini_batch_the_same_prompts_at_every_dp(dp):
+    """Guards against a deal that makes a step with several mini-batches depend on the DP
+    size (the known-limits bug this replaced: each replica held a contiguous slice and cut
+    its mini-batches from it, so DP=2's first optimizer step saw prompts 0-3 and 8-11 of
+    16 where DP=1 saw 0-7). Each replica cuts its rows into equal mini-batches in order, as
+    ``stages.logprobs`` does; the j-th ones of all replicas together must be prompts
+    [4j, 4j+4) of the step, each once, with whole groups, at every DP size."""
+    prompts, minis, n = 16, 4, 2
+    whole = _batch(list(range(prompts)), n=n)
+    seen = [[] for _ in range(minis)]
+    for index in range(dp):
+        part = prompt_slice(whole, prompts, index, dp, mini_batches=minis)
+        rows = len(part) // minis
+        for j in range(minis):
+            cut = part.prompt_index[j * rows:(j + 1) * rows]
+            assert all(cut.count(p) == n for p in set(cut)), ("a group split", dp, index, j, cut)
+            seen[j] += cut
+    assert [sorted(set(s)) for s in seen] == [list(range(4 * j, 4 * j + 4)) for j in range(minis)], (dp, seen)
+    assert all(len(s) == 4 * n for s in seen)
+    assert prompt_slice(whole, prompts, 1, 2).prompt_index == [p for p in range(8, 16) for _ in range(n)]
+    with pytest.raises(ValueError, match="mini-batch"):
+        prompt_slice(whole, prompts, 0, 8, mini_batches=4)
+
+
 def _reshard_rank(rank, world):
     import torch.distributed as dist
 
