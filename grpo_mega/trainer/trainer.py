@@ -9,7 +9,6 @@ vLLM engine (its external_launcher mode joins the already-initialised world).
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -299,12 +298,8 @@ def build_trainer(argv=None) -> Trainer:
 
     sink = None
     if ps.rank == 0:
-        from grpo_mega.config import to_dict
-        from grpo_mega.trainer.metrics import MetricsSink
-        Path(cfg.logging.run_dir).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.logging.run_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
-        sink = MetricsSink(cfg.logging.run_dir, tensorboard=cfg.logging.tensorboard,
-                           wandb=cfg.logging.wandb, total_steps=cfg.algorithm.steps, config=to_dict(cfg))
+        from grpo_mega.trainer.metrics import open_sink
+        sink = open_sink(cfg)
     t = Trainer(cfg=cfg, ps=ps, model=model, ref=ref, optimizer=optimizer, scheduler=scheduler,
                 tokenizer=tok, dataset=dataset, eval_set=eval_set, engine=engine, bridge=bridge,
                 scorer=scorer, sink=sink, ckpt_dir=ckpt_dir, locks=locks, episodes=episodes)

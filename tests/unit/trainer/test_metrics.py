@@ -54,15 +54,106 @@ def test_bar_metrics_show_reward_kl_and_seconds_per_step():
     assert bar_metrics({"eval_accuracy": 0.5})["eval"] == "50.0%"
 
 
-def test_wandb_offline_run_records_the_metrics(tmp_path, monkeypatch):
-    """Guards against the wandb sink failing silently (its errors are caught) or logging
-    nothing: in offline mode a run directory with the run's files must appear."""
-    pytest.importorskip("wandb", reason="wandb is optional and not installed")
+def _wandb_offline_run(run_dir) -> dict:
+    """What an offline wandb run under ``run_dir`` wrote to disk, read back from its
+    transaction log (``run-<id>.wandb``): {"project", "config", "rows": {step: {key: value}},
+    "exit_code" (None when the run was never finished)}.
+
+    Offline wandb (0.31) writes no ``wandb-summary.json`` or ``config.yaml``; the log is the
+    only record, the same file ``wandb sync`` uploads, and wandb 0.31 ships no Python reader.
+    Its framing is LevelDB's log format (7-byte file header ``:W&B`` + magic + version, then
+    32 KiB blocks of records: crc32c u32, length u16, type u8 with 1 full, 2 first, 3
+    middle, 4 last); each record is a ``wandb_internal_pb2.Record`` whose schema comes with
+    the installed wandb, so only the framing is ours (unchanged since wandb 0.9)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    runs = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1, f"expected one offline run under {run_dir}/wandb, found {runs}"
+    buf = runs[0].read_bytes()
+    assert buf[:4] == b":W&B", buf[:7]
+    out, parts, pos = {"project": None, "config": {}, "rows": {}, "exit_code": None}, [], 7
+    while pos + 7 <= len(buf):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        _crc, n, kind = struct.unpack("<IHB", buf[pos:pos + 7])
+        if kind == 0:
+            break
+        parts.append(buf[pos + 7:pos + 7 + n])
+        pos += 7 + n
+        if kind not in (1, 4):
+            continue
+        rec = pb.Record()
+        rec.ParseFromString(b"".join(parts))
+        parts = []
+        which = rec.WhichOneof("record_type")
+        if which == "run":
+            out["project"] = rec.run.project
+            out["config"].update({u.key: json.loads(u.value_json) for u in rec.run.config.update})
+        elif which == "config":
+            out["config"].update({u.key: json.loads(u.value_json) for u in rec.config.update})
+        elif which == "history":
+            row = {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
+            assert row["_step"] == rec.history.step.num, row
+            out["rows"].setdefault(row["_step"], {}).update(
+                {k: v for k, v in row.items() if not k.startswith("_")})
+        elif which == "exit":
+            out["exit_code"] = rec.exit.exit_code
+    return out
+
+
+@pytest.fixture
+def wandb_offline(monkeypatch):
+    """The real wandb in offline mode (nothing leaves the machine); its service process is
+    stopped after the test."""
+    wandb = pytest.importorskip("wandb", reason="wandb is optional (the `test` extra installs it)")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    sink = MetricsSink(str(tmp_path), tensorboard=False, wandb=True, total_steps=2)
-    assert sink.wb is not None, "wandb.init failed"
-    sink.log(1, {"reward_mean": 0.5}, console=False)
-    sink.finish({"steps": 1})
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
-    assert runs and any(runs[0].rglob("*.wandb"))
+    yield wandb
+    wandb.teardown()
+
+
+# A resumed run (from step 4): steps start past 0, so a sink that drops the step (wandb then
+# counts from 0) or shifts it is seen; step 6 carries an eval, as the loop logs it.
+RESUMED = [(5, {"reward_mean": 0.5, "kl": 0.001, "time/rollout": 0.25, "time/update": 0.125}),
+           (6, {"reward_mean": 0.75, "kl": 0.002, "time/rollout": 0.5, "time/update": 0.25,
+                "eval_accuracy": 0.625, "ref_reset": 1.0})]
+
+
+def test_wandb_run_holds_each_step_metrics_config_and_a_clean_exit(tmp_path, wandb_offline):
+    """Guards against the wandb sink losing what it was given, read back from the offline run
+    real wandb wrote: metrics logged without their step or at another step, a metric key
+    dropped or renamed (or the sink's own ``step``/``time`` fields leaking in), the run
+    config not handed to ``wandb.init``, a project other than ``grpo-mega``, the run written
+    outside ``run_dir``, and ``finish()`` not closing the run (no exit record, or
+    ``wandb.run`` still open). Its errors are swallowed by design, so only this sees them."""
+    config = {"algorithm": {"steps": 6, "kl_coef": 0.01}, "model": {"hf_checkpoint": "tiny"}}
+    sink = MetricsSink(str(tmp_path), tensorboard=False, wandb=True, total_steps=6, config=config)
+    assert sink.wb is not None, "wandb.init failed (see the [metrics] line above)"
+    for step, m in RESUMED:
+        sink.log(step, dict(m), console=False)
+    sink.finish({"steps": 6})
+    assert wandb_offline.run is None, "the wandb run is still open after finish()"
+    run = _wandb_offline_run(tmp_path)
+    assert run["rows"] == dict(RESUMED)
+    assert run["project"] == "grpo-mega"
+    assert {k: v for k, v in run["config"].items() if k != "_wandb"} == config
+    assert run["exit_code"] == 0
+
+
+def test_open_sink_hands_the_run_config_to_wandb(tmp_path, wandb_offline):
+    """Guards against the trainer's sink ignoring ``--logging.wandb`` or giving wandb another
+    config than the run's (none, or not the one in ``run_dir/config.json``)."""
+    from grpo_mega.config import Config
+    from grpo_mega.trainer.metrics import open_sink
+
+    cfg = Config()
+    cfg.logging.run_dir, cfg.logging.wandb, cfg.logging.tensorboard = str(tmp_path), True, False
+    sink = open_sink(cfg)
+    sink.finish({})
+    run = _wandb_offline_run(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["logging"]["wandb"] is True and written["logging"]["run_dir"] == str(tmp_path)
+    assert {k: v for k, v in run["config"].items() if k != "_wandb"} == written
