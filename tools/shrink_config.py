@@ -103,10 +103,11 @@ def shrunk_config(cfg, layout: dict[str, int], hf_dir: Path, run_dir: Path, moe:
                          micro_batch_size=2, timeout_minutes=5)
     d["rollout"].update(tp=layout["rollout_tp"], n=4, max_new_tokens=5, max_model_len=32, stop=[])
     engines = layout["world"] // layout["rollout_tp"]
-    prompts = math.lcm(layout["dp"], engines, 2)
+    minis = 2 if cfg.data.mini_batch_size else 1  # each mini-batch's prompts split over DP
+    prompts = math.lcm(layout["dp"] * minis, engines, 2)
     d["data"].update(train_path=str(DEMO / "train.jsonl"), eval_path=str(DEMO / "eval.jsonl"),
                      max_prompt_tokens=8, prompts_per_step=prompts,
-                     mini_batch_size=prompts * 4 // 2 if cfg.data.mini_batch_size else 0,
+                     mini_batch_size=prompts * 4 // minis if cfg.data.mini_batch_size else 0,
                      eval_every=0, chat_template=None)
     d["reward"].update(functions=["grpo_mega.demo.assets:exact_match_reward"], weights=[], kwargs={},
                        num_workers=1)

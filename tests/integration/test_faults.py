@@ -60,6 +60,21 @@ def _latest(run: Path) -> str:
     return (run / "checkpoints" / "latest").read_text().strip()
 
 
+def _intact(run: Path, step: int, ranks: int) -> dict:
+    """The checkpoint of ``step`` is the one ``latest`` names and is whole: its metadata says
+    that step, every rank's state file (RNG, Adam step) is there, and its weights load, with
+    model tensors among them. Returns the weights, to compare later."""
+    name = f"step_{step:08d}"
+    assert _latest(run) == name
+    ckpt = run / "checkpoints" / name
+    assert _meta(ckpt)["step"] == step
+    missing = [r for r in range(ranks) if not (ckpt / f"rank_{r:05d}.pt").is_file()]
+    assert not missing, f"{name} lacks the state files of ranks {missing}"
+    w = _weights(ckpt)
+    assert any(not k.startswith("optimizer.") for k in w), sorted(w)[:5]
+    return w
+
+
 def test_fault_kills_and_reward_error_then_same_command_resumes_to_uninterrupted_weights(tmp_path):
     """Guards against a fault that corrupts or loses a checkpoint, publishes a half-written
     one, or leaves state behind that changes the resumed trajectory. Two steps with a
@@ -147,15 +162,17 @@ def test_fault_on_one_of_two_ranks_stops_every_rank_with_one_message_then_resume
     """Guards against a multi-rank job that hangs, or reports a timeout instead of the
     cause, when one rank fails. Two ranks at TP=2 (rank 0 scores rewards for both) under
     torchrun: rank 1 SIGKILLed as step 2 starts must bring the whole job down (torchrun
-    names the lost rank) with the step-1 checkpoint intact; a reward error on rank 0 in
-    step 2 must stop both ranks at once with the same message naming the cause and rank 0;
+    names the lost rank) with the step-1 checkpoint intact (named by ``latest``, its
+    metadata, both ranks' state files and loadable weights: not only the pointer); a reward
+    error on rank 0 in step 2 must stop both ranks at once with the same message naming the
+    cause and rank 0, and leave that checkpoint unchanged;
     the same command then resumes from step 1 and finishes."""
     run = tmp_path / "tp2"
     rc, out, seconds = _torchrun(run, 2, "step:kill@1#2")
     assert rc != 0, out[-3000:]
     assert "fault injected: kill at step (rank 1, step 2)" in out
     assert "Signal 9" in out or "SIGKILL" in out, out[-3000:]
-    assert _latest(run) == "step_00000001"
+    step1 = _intact(run, 1, ranks=2)
 
     rc, out, seconds = _torchrun(run, 2, "reward.score:raise@0#2")
     assert rc != 0, out[-3000:]
@@ -164,6 +181,8 @@ def test_fault_on_one_of_two_ranks_stops_every_rank_with_one_message_then_resume
              "reward.score (rank 0, step 2) by GRPO_MEGA_FAULT")
     assert failed == [f"[grpo] rank {r} FAILED: {cause}" for r in (0, 1)], out[-3000:]
     assert seconds < 60  # not the collective timeout
+    after = _intact(run, 1, ranks=2)
+    assert set(after) == set(step1) and all(torch.equal(after[k], step1[k]) for k in step1)
 
     rc, out, _ = _torchrun(run, 2, None)
     assert rc == 0, out[-3000:]
