@@ -73,7 +73,7 @@ def _wandb_offline_run(run_dir) -> dict:
     assert len(runs) == 1, f"expected one offline run under {run_dir}/wandb, found {runs}"
     buf = runs[0].read_bytes()
     assert buf[:4] == b":W&B", buf[:7]
-    out, parts, pos = {"project": None, "config": {}, "rows": {}, "exit_code": None}, [], 7
+    out, parts, pos = {"project": None, "config": {}, "rows": {}, "exit_code": None, "kinds": []}, [], 7
     while pos + 7 <= len(buf):
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
             pos += 32768 - pos % 32768
@@ -89,6 +89,7 @@ def _wandb_offline_run(run_dir) -> dict:
         rec.ParseFromString(b"".join(parts))
         parts = []
         which = rec.WhichOneof("record_type")
+        out["kinds"].append(which)
         if which == "run":
             out["project"] = rec.run.project
             out["config"].update({u.key: json.loads(u.value_json) for u in rec.run.config.update})
@@ -104,15 +105,34 @@ def _wandb_offline_run(run_dir) -> dict:
     return out
 
 
+def _in_fresh_process(script: str, tmp_path) -> dict:
+    """Run ``script`` (which prints one JSON line last) in a fresh interpreter with wandb
+    offline, then stop wandb's service there, so the run's log is complete when it exits.
+    A fresh process, not the test's: in a pytest-xdist worker that had run other test
+    files, an offline run once lost its history records (every other record was there),
+    and wandb keeps process-wide state (its setup singleton, stream wrappers)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests import REPO
+
+    # This checkout first (the subprocess runs elsewhere, where a relative PYTHONPATH would miss it).
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONPATH=path)
+    code = f"import wandb\n{script}\nwandb.teardown()\n"
+    cwd = tmp_path / "cwd"  # not the run dir: a run written to the working directory is a bug
+    cwd.mkdir()
+    r = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture
-def wandb_offline(monkeypatch):
-    """The real wandb in offline mode (nothing leaves the machine); its service process is
-    stopped after the test."""
-    wandb = pytest.importorskip("wandb", reason="wandb is optional (the `test` extra installs it)")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    yield wandb
-    wandb.teardown()
+def wandb_offline():
+    """The real wandb (nothing leaves the machine: the runs are offline)."""
+    return pytest.importorskip("wandb", reason="wandb is optional (the `test` extra installs it)")
 
 
 # A resumed run (from step 4): steps start past 0, so a sink that drops the step (wandb then
@@ -130,14 +150,18 @@ def test_wandb_run_holds_each_step_metrics_config_and_a_clean_exit(tmp_path, wan
     outside ``run_dir``, and ``finish()`` not closing the run (no exit record, or
     ``wandb.run`` still open). Its errors are swallowed by design, so only this sees them."""
     config = {"algorithm": {"steps": 6, "kl_coef": 0.01}, "model": {"hf_checkpoint": "tiny"}}
-    sink = MetricsSink(str(tmp_path), tensorboard=False, wandb=True, total_steps=6, config=config)
-    assert sink.wb is not None, "wandb.init failed (see the [metrics] line above)"
-    for step, m in RESUMED:
-        sink.log(step, dict(m), console=False)
-    sink.finish({"steps": 6})
-    assert wandb_offline.run is None, "the wandb run is still open after finish()"
+    out = _in_fresh_process(f"""
+import json
+from grpo_mega.trainer.metrics import MetricsSink
+sink = MetricsSink({str(tmp_path)!r}, tensorboard=False, wandb=True, total_steps=6, config={config!r})
+assert sink.wb is not None, "wandb.init failed (see the [metrics] line above)"
+for step, m in {RESUMED!r}:
+    sink.log(step, dict(m), console=False)
+sink.finish({{"steps": 6}})
+print(json.dumps({{"run_closed": wandb.run is None}}))""", tmp_path)
+    assert out["run_closed"], "the wandb run is still open after finish()"
     run = _wandb_offline_run(tmp_path)
-    assert run["rows"] == dict(RESUMED)
+    assert run["rows"] == dict(RESUMED), run["kinds"]
     assert run["project"] == "grpo-mega"
     assert {k: v for k, v in run["config"].items() if k != "_wandb"} == config
     assert run["exit_code"] == 0
@@ -146,13 +170,14 @@ def test_wandb_run_holds_each_step_metrics_config_and_a_clean_exit(tmp_path, wan
 def test_open_sink_hands_the_run_config_to_wandb(tmp_path, wandb_offline):
     """Guards against the trainer's sink ignoring ``--logging.wandb`` or giving wandb another
     config than the run's (none, or not the one in ``run_dir/config.json``)."""
-    from grpo_mega.config import Config
-    from grpo_mega.trainer.metrics import open_sink
-
-    cfg = Config()
-    cfg.logging.run_dir, cfg.logging.wandb, cfg.logging.tensorboard = str(tmp_path), True, False
-    sink = open_sink(cfg)
-    sink.finish({})
+    _in_fresh_process(f"""
+import json
+from grpo_mega.config import Config
+from grpo_mega.trainer.metrics import open_sink
+cfg = Config()
+cfg.logging.run_dir, cfg.logging.wandb, cfg.logging.tensorboard = {str(tmp_path)!r}, True, False
+open_sink(cfg).finish({{}})
+print(json.dumps({{}}))""", tmp_path)
     run = _wandb_offline_run(tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["logging"]["wandb"] is True and written["logging"]["run_dir"] == str(tmp_path)
