@@ -53,7 +53,33 @@ def _worker(rank, world_size, port, fn, args, queue, backend="gloo"):
             dist.destroy_process_group()
 
 
+PORT_TAKEN = "EADDRINUSE"
+"""Rank 0's store could not listen: another process took the free port between
+``free_port`` and the bind (two pytest-xdist workers launch ranks side by side)."""
+
+
 def run_ranks(world_size: int, fn, *args, timeout: float = 600, backend: str = "gloo"):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; returns
+    their results in rank order. A port taken before rank 0 could bind it is retried on a
+    new port (up to 3 tries; nothing has run by then)."""
+    for attempt in range(3):
+        results, errors, port_taken = _launch(world_size, fn, args, timeout, backend)
+        if not port_taken:
+            break
+        print(f"[run_ranks] port taken before rank 0 bound it (try {attempt + 1} of 3); relaunching")
+    if errors:
+        raise AssertionError("distributed run failed:\n" + "\n".join(errors))
+    if len(results) != world_size:
+        missing = sorted(set(range(world_size)) - set(results))
+        raise AssertionError(f"ranks {missing} produced no result (hung or crashed; timeout {timeout}s)")
+    return [results[r] for r in range(world_size)]
+
+
+def _launch(world_size: int, fn, args, timeout: float, backend: str) -> tuple[dict, list[str], bool]:
+    """One launch: (results by rank, error reports, whether rank 0 found its port taken, in
+    which case the other ranks are killed at once instead of waiting out the timeout)."""
+    import time
+
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
@@ -61,8 +87,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 600, backend: str = "
              for r in range(world_size)]
     for p in procs:
         p.start()
-    results, errors = {}, []
-    import time
+    results, errors, port_taken = {}, [], False
     deadline = time.time() + timeout
     while len(results) + len(errors) < world_size:
         if time.time() > deadline:
@@ -77,13 +102,13 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 600, backend: str = "
             results[rank] = payload
         else:
             errors.append(f"--- rank {rank} ---\n{payload}")
+            if rank == 0 and PORT_TAKEN in payload and "init_process_group" in payload:
+                port_taken = True
+                break
     for p in procs:
+        if port_taken:
+            p.kill()
         p.join(timeout=5)
         if p.is_alive():
             p.kill()
-    if errors:
-        raise AssertionError("distributed run failed:\n" + "\n".join(errors))
-    if len(results) != world_size:
-        missing = sorted(set(range(world_size)) - set(results))
-        raise AssertionError(f"ranks {missing} produced no result (hung or crashed; timeout {timeout}s)")
-    return [results[r] for r in range(world_size)]
+    return results, errors, port_taken
