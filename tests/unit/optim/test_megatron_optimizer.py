@@ -15,6 +15,7 @@ import dataclasses
 import pytest
 import torch
 
+from tests.compare import assert_close
 from tests.distributed import run_ranks
 from tests.unit.optim.test_distributed_optimizer import VOCAB, _canonical, _mcfg, _opt_cfg, _train
 
@@ -102,12 +103,30 @@ def _close(got: dict, want: dict, atol: float, what: str) -> None:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=atol, msg=lambda m: f"{what} {k}: {m}")
 
 
+def _close_to_scale(got: dict, want: dict, rel: float, what: str) -> None:
+    """Each tensor to ``rel`` times its own largest magnitude: Adam's second moments are
+    ~1e-8 here, so one absolute tolerance for all state would never see them."""
+    assert sorted(got) == sorted(want), what
+    for k in want:
+        scale = float(want[k].abs().max())
+        assert scale > 0, f"{what} {k}: all zero, nothing to compare"
+        assert_close(got[k], want[k], atol=rel * scale, msg=f"{what} {k} (scale {scale:.3g})")
+
+
 def test_distributed_optimizer_megatron_steps_equal_ours(megatron_runs):
     """Guards against the megatron path diverging from the project's optimizers: a clip
     coefficient or norm that differs, DDP averaging over DP where the globally normalised loss
-    needs a sum (CPU: DP=2), the fp32 masters of a bf16 model not reaching its weights, or steps
-    that do not move them. fp32 to 1e-6; bf16 masters and moments to 1e-5, weights to one bf16
-    step. NaN anywhere fails."""
+    needs a sum (CPU: DP=2), the fp32 masters of a bf16 model not reaching its weights, moments
+    of the wrong parameter, or steps that do not move them. NaN anywhere fails.
+
+    fp32: every step's norm to 1e-6, weights to 1e-6, each state tensor to 1e-5 of its scale.
+    bf16: the first step's norm to 1e-6 (both start from the same weights). The masters of the
+    two implementations round differently in their last fp32 bit, so a few bf16 weights land one
+    bf16 step apart after a step (751 of ~100k after three steps on an AMD EPYC with
+    avx512_bf16; none on earlier machines), and later norms and state move with them (measured:
+    norm 9e-5 relative, moments 8e-3 and masters 1.4e-4 of their scale). So later bf16 norms to
+    1e-3, weights to one bf16 step at |w| < 2 (1e-2), moments to 5e-2 and masters to 1e-3 of
+    their scale: a missing, doubled or misplaced update is lr = 1e-2 in size."""
     assert megatron_runs[0]["dp"] == (1 if CUDA else 2)
     for r in megatron_runs:
         canon = r["canon"]
@@ -119,13 +138,19 @@ def test_distributed_optimizer_megatron_steps_equal_ours(megatron_runs):
             fp32 = dtype == "float32"
             for ref_impl in ("parallel", "grpo"):
                 ref, ref_info = r["runs"][f"{dtype} {ref_impl}"]
-                torch.testing.assert_close(torch.tensor([i["grad_norm"] for i in got_info]),
-                                           torch.tensor([i["grad_norm"] for i in ref_info]), rtol=1e-6, atol=0)
+                norms = torch.tensor([i["grad_norm"] for i in got_info])
+                ref_norms = torch.tensor([i["grad_norm"] for i in ref_info])
+                assert_close(norms[:1], ref_norms[:1], atol=0, rtol=1e-6, msg=f"{dtype} step-1 norm vs {ref_impl}")
+                assert_close(norms, ref_norms, atol=0, rtol=1e-6 if fp32 else 1e-3,
+                             msg=f"{dtype} norms vs {ref_impl}")
                 weights = {k: v for k, v in got.items() if ":" not in k}
-                state = {k: v for k, v in got.items() if ":" in k}
                 _close(weights, {k: ref[k] for k in weights}, 1e-6 if fp32 else 1e-2, f"{dtype} vs {ref_impl}")
-                _close(state, {k: v for k, v in ref.items() if ":" in k}, 1e-6 if fp32 else 1e-5,
-                       f"{dtype} state vs {ref_impl}")
+                for kind, rel in (("exp_avg", 1e-5 if fp32 else 5e-2), ("exp_avg_sq", 1e-5 if fp32 else 5e-2),
+                                  ("main_param", 1e-3)):
+                    state = {k: v for k, v in got.items() if k.startswith(kind + ":")}
+                    assert state or (kind == "main_param" and fp32), f"{dtype}: no {kind} state compared"
+                    _close_to_scale(state, {k: ref[k] for k in ref if k.startswith(kind + ":")}, rel,
+                                    f"{dtype} {kind} vs {ref_impl}")
 
 
 def test_distributed_optimizer_megatron_checkpoint_round_trips_bitwise(megatron_runs):
