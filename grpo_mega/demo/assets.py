@@ -105,23 +105,33 @@ def greedy_accuracy(model, tok, rows: list[dict], max_new: int = 5) -> float:
     return correct / max(len(rows), 1)
 
 
-def _warm_start(hf_dir: Path, tok, train: list[dict], evals: list[dict], seed: int = 0,
-                check_every: int = 50) -> float:
-    """Supervised steps on the answer tokens until held-out accuracy enters TARGET_ACC."""
+def answer_tokens(tok, row: dict) -> tuple[list[int], list[int]]:
+    """``(ids, loss_mask)`` of one addition problem: the prompt, then the answer and eos,
+    which alone are trained on."""
+    p, a = tok.encode(row["prompt"]), tok.encode(row["answer"]) + [tok.eos_id]
+    return p + a, [0] * len(p) + [1] * len(a)
+
+
+def supervised_warm_start(hf_dir: Path, tok, train: list[dict], evals: list[dict],
+                          encode: Callable[[object, dict], tuple[list[int], list[int]]],
+                          accuracy: Callable[[object, object, list[dict]], float], *,
+                          lr: float, check_every: int, seed: int = 0) -> float:
+    """Supervised AdamW steps on the HF checkpoint in ``hf_dir``, 64 rows of ``train`` each,
+    on the tokens ``encode(tok, row) -> (ids, loss_mask)`` marks, until
+    ``accuracy(model, tok, evals)`` (checked every ``check_every`` steps) enters TARGET_ACC
+    or 3000 steps have run. Saves the model back into ``hf_dir``; returns that accuracy.
+
+    Both demos (addition, and the tool-use episodes of ``demo.tools``) warm start through
+    this one loop; a rebuild with the same seed repeats the packaged assets' draws."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), torch_dtype=torch.float32)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     rng = random.Random(seed)
     acc, t0, step = 0.0, time.time(), 0
     while True:
-        batch = rng.sample(train, 64)
-        seqs, masks = [], []
-        for r in batch:
-            p, a = tok.encode(r["prompt"]), tok.encode(r["answer"]) + [tok.eos_id]
-            seqs.append(p + a)
-            masks.append([0] * len(p) + [1] * len(a))
+        seqs, masks = zip(*(encode(tok, r) for r in rng.sample(train, 64)))
         width = max(map(len, seqs))
         ids = torch.tensor([s + [tok.pad_id] * (width - len(s)) for s in seqs])
         mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
@@ -135,7 +145,7 @@ def _warm_start(hf_dir: Path, tok, train: list[dict], evals: list[dict], seed: i
         step += 1
         if step % check_every == 0:
             model.eval()
-            acc = greedy_accuracy(model, tok, evals)
+            acc = accuracy(model, tok, evals)
             say(f"  warm start step {step}: loss {loss.item():.3f}, held-out greedy accuracy "
                 f"{acc:.1%} ({time.time() - t0:.0f}s)")
             if acc >= TARGET_ACC[0] or step >= 3000:
@@ -200,7 +210,8 @@ def ensure_demo_assets(cache_dir: str | os.PathLike = ".cache/demo", rebuild: bo
                                       num_heads=4, num_kv_heads=2, tokenizer_dir=tok_dir, seed=0,
                                       max_position_embeddings=64, **shape)
         say("step 3/3: supervised warm start (stops at 30-50% held-out accuracy, ~1 min)")
-        return _warm_start(hf, tok, train, evals, check_every=check_every)
+        return supervised_warm_start(hf, tok, train, evals, answer_tokens, greedy_accuracy,
+                                     lr=1e-3, check_every=check_every)
 
     return cached_build(version, cache_dir, rebuild, "demo model and data", build)
 
