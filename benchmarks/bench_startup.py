@@ -16,7 +16,6 @@ its reward workers) and wall seconds of each, and their ratio (frozen / unfrozen
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import statistics
 import subprocess
@@ -25,8 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-ASSETS = REPO / "grpo_mega" / "assets" / "demo_v1"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train_step import ASSETS, CONFIG, ENV, REPO  # noqa: E402  (the demo run's paths and environment)
+
 RUN = ("import gc, runpy, sys, types; {patch}sys.argv = ['grpo_mega.train'] + sys.argv[1:]; "
        "runpy.run_module('grpo_mega.train', run_name='__main__')")
 UNFROZEN = ("import grpo_mega.rollout.engine as E; "  # only the engine's own freeze; vLLM's stays
@@ -34,7 +34,7 @@ UNFROZEN = ("import grpo_mega.rollout.engine as E; "  # only the engine's own fr
 
 
 def args(run_dir: str) -> list[str]:
-    return ["--config", str(REPO / "grpo_mega" / "configs" / "demo.yaml"),
+    return ["--config", str(CONFIG),
             f"--model.hf_checkpoint={ASSETS / 'hf'}", f"--data.train_path={ASSETS / 'train.jsonl'}",
             f"--data.eval_path={ASSETS / 'eval.jsonl'}", f"--logging.run_dir={run_dir}",
             "--algorithm.steps=2", "--data.eval_every=0", "--data.prompts_per_step=4",
@@ -45,12 +45,10 @@ def args(run_dir: str) -> list[str]:
 def one(frozen: bool) -> tuple[float, float]:
     """(CPU seconds, wall seconds) of one two-step run in a fresh interpreter."""
     code = RUN.format(patch="" if frozen else UNFROZEN)
-    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-               PYTHONWARNINGS="ignore")
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as run_dir:
-        r = subprocess.run([sys.executable, "-c", code, *args(run_dir)], cwd=REPO, env=env,
+        r = subprocess.run([sys.executable, "-c", code, *args(run_dir)], cwd=REPO, env=ENV,
                            capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if r.returncode != 0:

@@ -280,10 +280,11 @@ class RolloutEngine(SleepPhases):
 
             # vLLM runs several full garbage collections while it starts (model load, KV-cache
             # profiling, its own freeze_gc_heap), each walking every object the imports and
-            # the trainer's models made: 2.9 s of a 19 s two-step CPU run. Freezing them takes
-            # them out of those walks, as vLLM's own start ends by doing anyway. Frozen objects
-            # are still freed by refcounting; shutdown() unfreezes, so cyclic garbage frozen
-            # here lives at most as long as this engine.
+            # the trainer's models made. Freezing them takes them out of those walks, as vLLM's
+            # own start ends by doing anyway: a two-step CPU run takes 0.93x the CPU seconds
+            # (benchmarks/bench_startup.py). Frozen objects are still freed by refcounting;
+            # shutdown() unfreezes, so cyclic garbage frozen here lives at most as long as
+            # this engine.
             gc.freeze()
             return LLM(**self._llm_kwargs())
         finally:
