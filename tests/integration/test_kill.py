@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import random
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -119,8 +118,9 @@ def test_kill_whole_tp2_job_at_every_phase_then_restart_resumes_to_uninterrupted
     shm segment: errno 17 at the next engine start), an orphaned rank (only torchrun
     killed: its ranks in their own sessions went on training), two writers in one run
     directory (a second job started on a live one must be refused, naming the holder), a
-    checkpoint lost or half-published by a kill mid-save or mid-rotation of ``keep_last``,
-    and a resume that changes the trajectory. At TP=2, one run directory: the whole job
+    checkpoint lost, changed or half-published by a kill mid-save or mid-rotation of
+    ``keep_last`` (step 1's must be bitwise unchanged after three kills that resumed from
+    it), and a resume that changes the trajectory. At TP=2, one run directory: the whole job
     SIGKILLed mid-generation, mid-update (torchrun alone killed: ranks must stop by
     themselves), mid-sync, mid-checkpoint, mid-rotation and at a random moment; each time
     the same command restarts; the last run must end with the uninterrupted run's weights."""
@@ -140,6 +140,7 @@ def test_kill_whole_tp2_job_at_every_phase_then_restart_resumes_to_uninterrupted
     assert intruder.returncode != 0 and "is in use by another job (host " in said, said[-3000:]
     assert any(f"pid {p.pid}," in said for p in holder), said[-3000:]
     assert _latest(run) == "step_00000001"
+    step1 = _weights(run / "checkpoints" / "step_00000001")
 
     # mid-update, killing torchrun alone: its ranks must stop within seconds by themselves
     job = Job(_torchrun(run, steps), "update:hold@1#2")
@@ -156,6 +157,10 @@ def test_kill_whole_tp2_job_at_every_phase_then_restart_resumes_to_uninterrupted
 
     _hold_and_kill(run, steps, "checkpoint.save:hold@0#2")  # shards written, not published
     assert _latest(run) == "step_00000001" and (run / "checkpoints" / "step_00000002.tmp").is_dir()
+    assert not (run / "checkpoints" / "step_00000002").exists()
+    # three kills and restarts later (each one resumed from it), step 1 is unchanged
+    after = _weights(run / "checkpoints" / "step_00000001")
+    assert set(after) == set(step1) and all(torch.equal(after[k], step1[k]) for k in step1)
 
     _hold_and_kill(run, steps, "checkpoint.rotate:hold@0#3")  # step 1 renamed, not yet deleted
     ckpts = run / "checkpoints"

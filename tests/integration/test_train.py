@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,10 +34,13 @@ def _cmd(run_dir: Path, steps: int = 6) -> list[str]:
 
 
 def _weights(ckpt: Path) -> dict:
+    """The checkpoint's tensors, converted in a scratch directory: a file left beside the
+    checkpoints would be in the run directory that the next launch of a test resumes from."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    out = ckpt.parent / (ckpt.name + ".pt")
-    dcp_to_torch_save(str(ckpt), str(out))
-    sd = torch.load(out, weights_only=False)
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / (ckpt.name + ".pt")
+        dcp_to_torch_save(str(ckpt), str(out))
+        sd = torch.load(out, weights_only=False)
     return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 
