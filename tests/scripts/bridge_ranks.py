@@ -1,8 +1,9 @@
 """One launch of 4 gloo ranks that runs every multi-rank check of the bridge and the converter.
 
 A launch costs 10-20 s of imports, so ``launch_once()`` runs it a single time per
-pytest session and both tests/unit/checkpoint/test_convert.py and tests/unit/bridge/test_sync.py read its
-report: {check name: value}, merged over ranks (see ``merged``).
+pytest session (its xdist workers share it through a file) and both
+tests/unit/checkpoint/test_convert.py and tests/unit/bridge/test_sync.py read its report:
+{check name: value}, merged over ranks (see ``merged``).
 
 Per model variant (llama tied / untied, qwen2 with QKV bias, qwen3 with QK-norm):
   HF -> mcore (collective, each rank writes a share) -> load at TP1, TP2, PP2, TP2xPP2
@@ -16,7 +17,9 @@ missed a tensor, under the key "bridge"; tests/unit/bridge/test_sync.py asserts 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import functools
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -224,9 +227,34 @@ def _rank_main(rank: int, world: int, root: str) -> dict:
     return report
 
 
+def launch_once(shared_dir: Path | None = None) -> tuple:
+    """The per-rank reports of the 4-rank checks, run once per pytest session.
+
+    ``shared_dir``: a directory every pytest-xdist worker of the session sees (the parent of
+    ``tmp_path_factory.getbasetemp()``). test_convert.py and test_sync.py run on different
+    workers (one file per unit), so without it each worker paid the launch (~35 s); with it
+    the first writes its reports there under a lock and the other reads them. The reports
+    are plain data (tensors, numbers, strings, a ModelConfig), read back with
+    ``weights_only=True``."""
+    if shared_dir is None or "PYTEST_XDIST_WORKER" not in os.environ:
+        return _launch()
+    path = Path(shared_dir) / "bridge_ranks_reports.pt"
+    with open(Path(shared_dir) / "bridge_ranks_reports.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also on error
+        if path.is_file():
+            from grpo_mega.config_model import ModelConfig  # the bridge result's ``cfg``
+
+            with torch.serialization.safe_globals([ModelConfig]):
+                return tuple(torch.load(path, weights_only=True))
+        reports = _launch()
+        torch.save(list(reports), path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)
+        return reports
+
+
 @functools.lru_cache(maxsize=None)
-def launch_once() -> tuple:
-    """Build the HF checkpoints, run the 4-rank checks once; returns per-rank reports."""
+def _launch() -> tuple:
+    """Build the HF checkpoints, run the 4-rank checks; returns per-rank reports."""
     from tests.distributed import run_ranks
 
     root = Path(tempfile.mkdtemp(prefix="grpo_bridge_ranks_"))

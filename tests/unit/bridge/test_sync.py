@@ -37,9 +37,9 @@ TOL = 1e-4
 # ============================================================================ multi-rank (no vLLM)
 
 @pytest.fixture(scope="module")
-def ranks():
+def ranks(tmp_path_factory):
     """Per rank, the raw results of the TP2xPP2 bridge run in the shared 4-rank launch."""
-    return [rep["bridge"] for rep in bridge_ranks.launch_once()]
+    return [rep["bridge"] for rep in bridge_ranks.launch_once(tmp_path_factory.getbasetemp().parent)]
 
 
 def _fused_unit(hf_name: str) -> str:

@@ -28,8 +28,8 @@ ROUND_TRIP = list(bridge_ranks.VARIANTS)
 
 
 @pytest.fixture(scope="module")
-def reports():
-    return bridge_ranks.launch_once()
+def reports(tmp_path_factory):
+    return bridge_ranks.launch_once(tmp_path_factory.getbasetemp().parent)
 
 
 def _one(reports, key):
@@ -110,6 +110,7 @@ def test_tools_print_help():
     assert "--hf-config" in r.stdout
 
 
+@pytest.mark.slow  # the converter CLI in subprocesses: ~20 s, out of make test-fast
 def test_cli_round_trip_and_logit_check(llama_dir, tmp_path):
     """Guards against the CLIs drifting from the package: HF -> mcore -> HF through the
     command line is bitwise, and verify_checkpoint reports matching logits."""
@@ -127,6 +128,7 @@ def test_cli_round_trip_and_logit_check(llama_dir, tmp_path):
     assert "max |logits_hf - logits_mcore|" in r.stdout
 
 
+@pytest.mark.slow  # a torchrun or multi-process launch: ~20-30 s, out of make test-fast
 def test_gpu_ready_cli_under_torchrun_shares_one_world_and_one_output(llama_dir, tmp_path):
     """Guards against issue 27's defect 8: under torchrun every process of
     tools/convert_checkpoint.py started its own 1-rank world, converted everything and

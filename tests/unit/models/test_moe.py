@@ -234,6 +234,7 @@ def test_moe_aux_loss_coeff_reaches_the_gradients(reports):
 
 # ------------------------------------------------------------------------------ CLI
 
+@pytest.mark.slow  # the converter CLI in two subprocesses: ~20 s, out of make test-fast
 def test_moe_cli_round_trip_is_bitwise(tmp_path):
     """Guards against tools/convert_checkpoint.py drifting from the package for MoE
     checkpoints (single process: both directions, config.json kept)."""

@@ -197,6 +197,7 @@ def test_clipped_update_is_identical_at_every_layout(layout_results):
     assert not bad, f"updates differ from the single-rank model: {bad}"
 
 
+@pytest.mark.slow  # its own 4-rank launch: ~20 s, out of make test-fast
 def test_broken_fc1_split_is_caught():
     """The equivalence test must be able to fail: sharding [gate; up] with a naive chunk
     (the classic bug) has to produce a visible mismatch at TP=2."""

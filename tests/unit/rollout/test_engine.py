@@ -452,6 +452,7 @@ def _external_launcher_rank(rank, world, art):
             "collectives": after, "startup": startup, "update": seconds, "shm": shm}
 
 
+@pytest.mark.slow  # a torchrun or multi-process launch: ~20-30 s, out of make test-fast
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed")
 def test_external_launcher_tp2_engine_coexists_with_trainer_collectives(artifacts):
@@ -511,6 +512,7 @@ def _child_rank(rank, world, art, prompts, sampling):
             "leftovers": leftovers, "collectives": after, "startup": startup, "update": seconds}
 
 
+@pytest.mark.slow  # a torchrun or multi-process launch: ~20-30 s, out of make test-fast
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed")
 def test_child_engine_serves_its_replica_and_updates_through_shm(engine, prompts, artifacts):
