@@ -227,19 +227,20 @@ def _rank_main(rank: int, world: int, root: str) -> dict:
     return report
 
 
-def launch_once(shared_dir: Path | None = None) -> tuple:
+def launch_once(tmp_path_factory=None) -> tuple:
     """The per-rank reports of the 4-rank checks, run once per pytest session.
 
-    ``shared_dir``: a directory every pytest-xdist worker of the session sees (the parent of
-    ``tmp_path_factory.getbasetemp()``). test_convert.py and test_sync.py run on different
+    ``tmp_path_factory``: pytest's; under pytest-xdist the parent of its base temp directory
+    is seen by every worker of the session. test_convert.py and test_sync.py run on different
     workers (one file per unit), so without it each worker paid the launch (~35 s); with it
     the first writes its reports there under a lock and the other reads them. The reports
     are plain data (tensors, numbers, strings, a ModelConfig), read back with
     ``weights_only=True``."""
-    if shared_dir is None or "PYTEST_XDIST_WORKER" not in os.environ:
+    if tmp_path_factory is None or "PYTEST_XDIST_WORKER" not in os.environ:
         return _launch()
-    path = Path(shared_dir) / "bridge_ranks_reports.pt"
-    with open(Path(shared_dir) / "bridge_ranks_reports.lock", "w") as lock:
+    shared = tmp_path_factory.getbasetemp().parent
+    path = shared / "bridge_ranks_reports.pt"
+    with open(shared / "bridge_ranks_reports.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also on error
         if path.is_file():
             from grpo_mega.config_model import ModelConfig  # the bridge result's ``cfg``

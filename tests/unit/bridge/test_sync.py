@@ -39,7 +39,7 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Per rank, the raw results of the TP2xPP2 bridge run in the shared 4-rank launch."""
-    return [rep["bridge"] for rep in bridge_ranks.launch_once(tmp_path_factory.getbasetemp().parent)]
+    return [rep["bridge"] for rep in bridge_ranks.launch_once(tmp_path_factory)]
 
 
 def _fused_unit(hf_name: str) -> str:

@@ -29,7 +29,7 @@ ROUND_TRIP = list(bridge_ranks.VARIANTS)
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    return bridge_ranks.launch_once(tmp_path_factory.getbasetemp().parent)
+    return bridge_ranks.launch_once(tmp_path_factory)
 
 
 def _one(reports, key):
