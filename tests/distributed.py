@@ -13,10 +13,12 @@ after ``timeout`` seconds.
 """
 from __future__ import annotations
 
+import io
 import os
 import traceback
 from datetime import timedelta
 
+import torch
 import torch.multiprocessing as mp
 
 from grpo_mega.distributed.state import free_port
@@ -45,7 +47,12 @@ def _worker(rank, world_size, port, fn, args, queue, backend="gloo"):
         strict_devices.enable_from_env()
         # --- end strict devices
         out = fn(rank, world_size, *args)
-        queue.put((rank, True, out))
+        # Sent as bytes, not as tensors: torch's queue shares a tensor by a file descriptor
+        # that the parent fetches from this process, which may have exited by then
+        # (FileNotFoundError in resource_sharer, seen on a loaded 2-core machine).
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        queue.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - reported to the parent verbatim
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -98,8 +105,8 @@ def _launch(world_size: int, fn, args, timeout: float, backend: str) -> tuple[di
             time.sleep(0.05)
             continue
         rank, ok, payload = queue.get()
-        if ok:
-            results[rank] = payload
+        if ok:  # our own ranks' results (weights_only=False: they hold configs and the like)
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         else:
             errors.append(f"--- rank {rank} ---\n{payload}")
             if rank == 0 and PORT_TAKEN in payload and "init_process_group" in payload:
