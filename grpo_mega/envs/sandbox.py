@@ -30,9 +30,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import selectors
-import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,7 @@ CHILD = Path(__file__).with_name("sandbox_child.py")
 # and the shared libraries its extension modules load. Everything else (the data files
 # with the reference answers, the checkpoints, /proc, /etc, /dev/shm) is unreadable.
 SYSTEM_READ_ROOTS = ("/usr", "/lib", "/lib64", "/lib32")
+NOBODY = 65534
 
 
 class SandboxUnavailable(RuntimeError):
@@ -72,6 +74,10 @@ class SandboxConfig:
     """stdout and stderr together; past it the code is killed and the text truncated."""
     max_file_mb: int = 16
     """Largest file the code may write (``RLIMIT_FSIZE``)."""
+    scratch_mb: int = 64
+    """Size of the code's scratch directory, a private tmpfs (all its files together; past
+    it writes fail with ENOSPC). It lives in memory, charged to the trainer's memory
+    while the call runs, and vanishes with the call."""
     max_threads: int = 16
     """Threads (tasks) the code may have at once (``RLIMIT_NPROC``; the kernel exempts a
     trainer run as root, where ``memory_mb`` bounds threads through their stacks)."""
@@ -96,7 +102,7 @@ class SandboxConfig:
     uid may; logged on every run). Off: such a machine refuses to run tool code."""
 
     def __post_init__(self) -> None:
-        for name in ("cpu_seconds", "wall_seconds", "memory_mb", "max_output_bytes", "max_file_mb",
+        for name in ("cpu_seconds", "wall_seconds", "memory_mb", "max_output_bytes", "max_file_mb", "scratch_mb",
                      "max_threads", "max_open_files", "max_code_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"sandbox.{name} must be > 0, got {getattr(self, name)!r}")
@@ -157,6 +163,9 @@ class Sandbox:
     """Runs code under one :class:`SandboxConfig`. Thread-safe: each call has its own
     process and directory."""
 
+    _landlock_abi_cap: int | None = None
+    """Tests only: confine as on a kernel whose Landlock ABI is at most this."""
+
     def __init__(self, config: SandboxConfig | dict | None = None):
         self.config = SandboxConfig.coerce(config)
 
@@ -180,17 +189,24 @@ class Sandbox:
         if len(code.encode()) > cfg.max_code_bytes:
             return SandboxResult("", "", None, f"code longer than {cfg.max_code_bytes} bytes, not run",
                                  False, 0.0)
-        tmp = tempfile.mkdtemp(prefix="grpo-sandbox-")
         try:
-            return self._run(code, tmp, start)
+            tmp = tempfile.mkdtemp(prefix="grpo-sandbox-")
+            uid = _unprivileged_uid()
+            if uid is not None:
+                os.chown(tmp, uid, uid)
+        except OSError as e:  # a full or read-only temporary directory
+            return _unbuilt(f"cannot make the sandbox's directory: {e}", start)
+        try:
+            return self._run(code, tmp, start, uid)
         finally:
-            shutil.rmtree(tmp, onerror=_force_remove)
+            remove_tree(tmp)
 
-    def _settings(self, tmp: str, status_fd: int) -> dict:
+    def _settings(self, tmp: str, status_fd: int, uid: int | None) -> dict:
         cfg = self.config
         prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
                     str(Path(sys.executable).resolve().parent.parent)}
-        return {"status_fd": status_fd, "write_root": tmp,
+        return {"status_fd": status_fd, "write_root": tmp, "uid": uid, "scratch_bytes": cfg.scratch_mb << 20,
+                "landlock_abi_cap": self._landlock_abi_cap,
                 "read_roots": sorted(prefixes | set(SYSTEM_READ_ROOTS) | set(cfg.read_roots)),
                 "cpu_seconds": cfg.cpu_seconds, "memory_bytes": cfg.memory_mb << 20,
                 "file_bytes": cfg.max_file_mb << 20, "max_threads": cfg.max_threads,
@@ -198,13 +214,13 @@ class Sandbox:
                 "max_open_files": cfg.max_open_files, "echo_last_expression": cfg.echo_last_expression,
                 "unsafe_no_netns": cfg.unsafe_no_netns, "unsafe_no_landlock": cfg.unsafe_no_landlock}
 
-    def _run(self, code: str, tmp: str, start: float) -> SandboxResult:
+    def _run(self, code: str, tmp: str, start: float, uid: int | None) -> SandboxResult:
         cfg = self.config
         status_r, status_w = os.pipe()
         env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "TMPDIR": tmp, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-X", "utf8", str(CHILD), json.dumps(self._settings(tmp, status_w))],
+                [sys.executable, "-I", "-S", "-X", "utf8", str(CHILD), json.dumps(self._settings(tmp, status_w, uid))],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp, env=env,
                 pass_fds=(status_w,), start_new_session=True)
         except OSError as e:  # EAGAIN, ENOMEM on a loaded machine
@@ -218,13 +234,14 @@ class Sandbox:
                 proc.stdin.close()
             except BrokenPipeError:
                 pass  # the child died before reading: its status and stderr say why
-            out, status, truncated, error = self._collect(proc, status_r, start)
+            out, status, truncated, error, init = self._collect(proc, status_r, start)
         finally:
             _kill_group(proc)
             os.close(status_r)
         # wait4, not Popen.wait: its rusage (CPU of the child and the PID 1 it waited for)
         # tells a CPU-limit kill from any other SIGKILL.
         _, wstatus, usage = os.wait4(proc.pid, 0)
+        _wait_gone(init)
         proc.returncode = os.waitstatus_to_exitcode(wstatus)
         code_ = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
         problem = _setup_problem(status, out[1], code_)
@@ -239,10 +256,11 @@ class Sandbox:
 
     def _collect(self, proc: subprocess.Popen, status_r: int, start: float):
         """Read stdout, stderr and the status pipe until all close, the deadline passes or
-        the output budget is spent: ``([stdout, stderr], status, truncated, error)``."""
+        the output budget is spent: ``([stdout, stderr], status, truncated, error, init)``,
+        ``init`` a pidfd of the namespace's PID 1 (None before it is reported)."""
         cfg = self.config
         budget = cfg.max_output_bytes
-        out, status, truncated, error = [bytearray(), bytearray()], bytearray(), False, None
+        out, status, truncated, error, init = [bytearray(), bytearray()], bytearray(), False, None, None
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ, 0)
         sel.register(proc.stderr, selectors.EVENT_READ, 1)
@@ -259,6 +277,7 @@ class Sandbox:
                         sel.unregister(key.fileobj)
                     elif key.data == 2:
                         status += chunk
+                        init = init if init is not None else _open_init(status)
                     else:
                         room = budget - len(out[0]) - len(out[1])
                         out[key.data] += chunk[:room]
@@ -268,13 +287,13 @@ class Sandbox:
                     break
         finally:
             sel.close()
-        return out, bytes(status), truncated, error
+        return out, bytes(status), truncated, error, init
 
 
 def _setup_problem(status: bytes, stderr: bytes, exit_code: int) -> str | None:
     """None when the child reported a built sandbox (its warnings, the unsafe fallbacks,
     are logged), else why it was not built, with the flag that opts out where one does."""
-    lines = [json.loads(line) for line in status.decode(errors="replace").splitlines() if line.strip()]
+    lines = [m for m in _status_lines(status) if "ok" in m]
     if lines and lines[-1].get("ok"):
         for w in lines[-1].get("warnings", []):
             log.warning("sandbox (unsafe fallback allowed by config): %s", w)
@@ -310,13 +329,131 @@ def _kill_group(proc: subprocess.Popen) -> None:
         f.close()
 
 
-def _force_remove(func, path, _exc) -> None:
-    """rmtree's onerror: the code may have left a directory without write permission."""
+def _status_lines(status: bytes) -> list[dict]:
+    return [json.loads(line) for line in status.decode(errors="replace").splitlines() if line.strip()]
+
+
+def _open_init(status: bytes) -> int | None:
+    """A pidfd of PID 1 once the relay has reported it. Opened while the relay, its
+    parent, is alive and has not reaped it, so the pid names that process (no reuse)."""
+    for m in _status_lines(status[:status.rfind(b"\n") + 1]):
+        if "init_pid" in m:
+            try:
+                return os.pidfd_open(m["init_pid"])
+            except OSError:  # already gone
+                return -1
+    return None
+
+
+def _wait_gone(pidfd: int | None, timeout: float = 5.0) -> None:
+    """Wait until PID 1 has exited: the relay's death sends it SIGKILL (PDEATHSIG), and it
+    exits only after the kernel has killed every other process of its namespace. So
+    when :meth:`Sandbox.run` returns, no process of the call is left."""
+    if pidfd is None or pidfd < 0:
+        return
     try:
-        os.chmod(os.path.dirname(path), 0o700)
-        func(path)
+        if not select.select([pidfd], [], [], timeout)[0]:
+            log.error("sandbox: PID 1 of a finished call still runs after %g s", timeout)
+    finally:
+        os.close(pidfd)
+
+
+def _unprivileged_uid() -> int | None:
+    """The uid the code runs as where the trainer is root: 65534 (nobody), if that user can
+    reach the Python installation (every directory above it searchable by others); else
+    None (the user namespace then maps root to root, without capabilities; logged once)."""
+    if os.geteuid() != 0:
+        return None
+    return NOBODY if _others_can_reach(_python_dirs()) else _warn_root_once()
+
+
+def _python_dirs() -> set[str]:
+    return {sys.base_prefix, sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
+            os.path.dirname(os.__file__), str(CHILD.parent)}
+
+
+def _others_can_reach(paths) -> bool:
+    for path in paths:
+        p = os.path.realpath(path)
+        while True:
+            try:
+                if not os.stat(p).st_mode & stat.S_IXOTH:
+                    return False
+            except OSError:
+                return False
+            if p == "/":
+                break
+            p = os.path.dirname(p)
+    return True
+
+
+_ROOT_WARNED: list = []
+
+
+def _warn_root_once() -> None:
+    if not _ROOT_WARNED:
+        _ROOT_WARNED.append(True)
+        log.warning("sandbox: the trainer is root and user %d cannot reach the Python installation (%s); tool "
+                    "code runs as root mapped to root, without capabilities (the seccomp filter refuses the "
+                    "metadata calls). Install Python where others can read it to run tool code as nobody.",
+                    NOBODY, sys.base_prefix)
+    return None
+
+
+def remove_tree(path: str) -> None:
+    """Remove ``path`` and everything beneath it; never raises, however deep the tree (an
+    iterative walk, one directory descriptor open at a time, names relative to it: no
+    recursion, no path length limit). Left-overs are logged. With the tmpfs scratch the
+    host's directory is empty; this matters where the namespaces could not be made."""
+    try:
+        os.rmdir(path)
+        return
+    except FileNotFoundError:
+        return
     except OSError:
         pass
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    names: list[str] = []  # the directories descended into, below path
+    fd = None
+    try:
+        fd = os.open(path, flags)
+        for _ in range(10_000_000):  # a bound, not a limit any real tree reaches
+            child = None
+            with os.scandir(fd) as it:
+                for entry in it:
+                    try:
+                        if entry.is_dir(follow_symlinks=False):
+                            child = entry.name
+                            break
+                        os.unlink(entry.name, dir_fd=fd)
+                    except OSError:
+                        pass
+            if child is not None:
+                try:
+                    os.chmod(child, 0o700, dir_fd=fd)  # a mode of 000 must not stop the removal
+                    new = os.open(child, flags, dir_fd=fd)
+                except OSError:
+                    log.error("sandbox: cannot enter %s/%s to remove it", path, "/".join(names + [child]))
+                    break
+                os.close(fd)
+                fd = new
+                names.append(child)
+                continue
+            if not names:
+                break
+            parent = os.open("..", flags, dir_fd=fd)
+            os.close(fd)
+            fd = parent
+            os.rmdir(names.pop(), dir_fd=fd)
+    except OSError as e:
+        log.error("sandbox: cannot remove %s: %s", path, e)
+    finally:
+        if fd is not None:
+            os.close(fd)
+    try:
+        os.rmdir(path)
+    except OSError as e:
+        log.error("sandbox: left %s behind: %s", path, e)
 
 
 def run_python(code: str, config: SandboxConfig | dict | None = None) -> str:
