@@ -298,6 +298,13 @@ class CheckpointConfig:
     """Load checkpoint files (resumed ones and ``model.init_checkpoint``) that hold pickled
     Python objects beyond tensors and plain data. Unpickling them can run arbitrary code
     on every rank: set it only for checkpoints you made yourself."""
+    export_hf: str = "end"
+    """Write the trained model as a Hugging Face directory (safetensors, ``config.json``, the
+    tokenizer files and chat template of ``model.hf_checkpoint``) that transformers and vLLM
+    load as is: ``end`` into ``<run_dir>/hf`` after the last step; ``checkpoints`` also at
+    every save, into ``<run_dir>/hf`` (each export replaces the previous one only once it is
+    complete); ``never``. A checkpoint saved earlier converts with
+    ``tools/convert_checkpoint.py mcore-to-hf``."""
 
 
 @dataclass

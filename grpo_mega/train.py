@@ -16,6 +16,7 @@ One step, as named and timed stages (DeepSeekMath GRPO, no critic), in
   sync       trainer weights -> engine in place, verified
   ref_reset  every algorithm.ref_reset_every steps the KL reference <- the policy
   log / checkpoint
+  export_hf  the trained weights as a Hugging Face directory in <run_dir>/hf (checkpoint.export_hf)
 
 Re-running the same command resumes from the latest checkpoint.
 """
@@ -142,8 +143,10 @@ def run(t: Trainer) -> dict:
         if cfg.checkpoint.save_every and t.step % cfg.checkpoint.save_every == 0 and t.step < steps:
             with stage("checkpoint", {}):
                 S.checkpoint(t)
+                S.export_hf(t, periodic=True)
     bar.close()
     S.checkpoint(t)
+    S.export_hf(t)
     return t.finish()
 
 

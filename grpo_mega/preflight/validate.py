@@ -29,6 +29,7 @@ CHOICES = {
     ("reward", "on_error"): ("stop", "zero"),
     ("algorithm", "logprob_kernel"): ("auto", "torch", "triton"),
     ("checkpoint", "resume"): ("auto", "must", "never"),
+    ("checkpoint", "export_hf"): ("never", "end", "checkpoints"),
 }
 
 

@@ -452,3 +452,18 @@ def checkpoint(t: Trainer) -> None:
                            json.loads(json.dumps(common, default=str)), keep_last=t.cfg.checkpoint.keep_last,
                            reference=reference)
     t.say(f"checkpoint saved: {path}")
+
+
+def export_hf(t: Trainer, periodic: bool = False) -> None:
+    """The current weights as a Hugging Face directory in ``<run_dir>/hf`` (collective):
+    after the last step unless ``checkpoint.export_hf`` is ``never``, and after every
+    periodic save (``periodic``) when it is ``checkpoints``."""
+    from grpo_mega.bridge import export_hf_weights
+    from grpo_mega.checkpoint.export_hf import write_hf_dir
+
+    mode = t.cfg.checkpoint.export_hf
+    if mode == "never" or (periodic and mode != "checkpoints"):
+        return
+    out = write_hf_dir(export_hf_weights(t.model, t.cfg.model, t.ps), Path(t.cfg.logging.run_dir) / "hf",
+                       t.cfg.model.hf_checkpoint, t.cfg.model, step=t.step, progress=None)
+    t.say(f"model exported for transformers and vLLM: {out} (step {t.step})")

@@ -173,6 +173,28 @@ def test_short_run_learns_to_raise_the_training_reward(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     # greedy held-out rate of the same reward, before and after
     assert summary["eval_accuracy_final"] > summary["eval_accuracy_initial"] + 0.3, summary
+    _check_hf_export(run / "hf", steps=12)
+
+
+def _check_hf_export(hf_dir: Path, steps: int) -> None:
+    """The run's end-of-training export (``checkpoint.export_hf: end``) is the trained model
+    in a directory transformers loads as is: every tensor under a name it knows, the demo
+    tokenizer beside it, the last step's weights (its logits moved off the initial model's).
+    Exactness against the trainer's own logits: tests/unit/bridge/test_export.py."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    info = json.loads((hf_dir / "grpo_mega_export.json").read_text())
+    assert info["step"] == steps, info
+    trained, loading = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32,
+                                                            output_loading_info=True)
+    assert not loading["missing_keys"] and not loading["unexpected_keys"], loading
+    initial = AutoModelForCausalLM.from_pretrained(str(ASSETS / "hf"), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    assert len(tok) == len(AutoTokenizer.from_pretrained(str(ASSETS / "hf")))
+    ids = torch.tensor([tok.encode("37+45=")])
+    with torch.no_grad():
+        moved = (trained(ids).logits - initial(ids).logits).abs().max()
+    assert moved > 1e-3, float(moved)
 
 
 def test_process_supervision_run_learns_step_rewards(tmp_path):
