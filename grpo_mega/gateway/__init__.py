@@ -10,7 +10,9 @@ one group-major ``RolloutBatch`` (``Gateway.collect``), like ``run_episodes``'s.
 
 Parts: ``openai_api`` (the wire format, validation), ``episode`` (the record and how a call
 extends it), ``batcher`` (one engine thread; concurrent calls share generate batches),
-``core`` (:class:`Gateway`, no HTTP), ``http`` (the server, loopback by default).
+``core`` (:class:`Gateway`, no HTTP), ``http`` (the server, loopback by default),
+``limits`` (what bounds the threads, time, memory and parsing a client can cost the trainer's
+process; docs/concepts/security.md lists each bound).
 Guide: docs/guides/gateway.md. Tests: ``tests/unit/gateway/``.
 """
 from grpo_mega.gateway.config import GatewayConfig

@@ -1,4 +1,9 @@
-"""The gateway's settings (one typed dataclass, a docstring per field)."""
+"""The gateway's settings (one typed dataclass, a docstring per field).
+
+The limits (``read_timeout_s`` to ``max_open_episodes``) bound what clients can make the
+trainer's process hold: threads, time, memory, episodes. ``docs/concepts/security.md``
+lists each with its default; ``gateway.limits`` says how they are enforced.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +12,9 @@ from typing import Optional
 __all__ = ["GatewayConfig", "REWRITE_POLICIES"]
 
 REWRITE_POLICIES = ("reject", "restart")
+_SECONDS = ("read_timeout_s", "idle_timeout_s")
+_POSITIVE = ("max_body_bytes", *_SECONDS, "max_connections", "max_header_bytes", "max_total_body_bytes",
+             "max_json_depth", "max_open_episodes")
 
 
 @dataclass(frozen=True)
@@ -49,7 +57,34 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     """A call whose generation has not come back after this long gets a 504."""
     max_body_bytes: int = 16 * 2**20
-    """Largest request body accepted (413 above it)."""
+    """Largest request body accepted: a larger ``Content-Length`` is answered 413 before a
+    byte of the body is read, and the read never takes more than the length announced."""
+    read_timeout_s: float = 30.0
+    """From a request's first byte, how long the client has to send its request line,
+    headers and whole body (one deadline for all of it: a client trickling a byte at a time
+    cannot renew it); sending a response is bounded the same way. Past it the connection is
+    closed and nothing of the request is processed."""
+    idle_timeout_s: float = 30.0
+    """How long a connection may wait for its next request (or its first) before it is
+    closed. The openai client drops its own idle connections after 5 s."""
+    max_connections: int = 256
+    """Most connections served at once; each holds one thread. One more is answered 503
+    (``Retry-After: 1``, ``too_many_connections``) and closed by the accepting thread
+    without a thread of its own. Set it above the number of agents running side by side."""
+    max_header_bytes: int = 64 * 2**10
+    """Largest request line plus headers (431 above it)."""
+    max_total_body_bytes: int = 256 * 2**20
+    """Most request-body bytes held at once over all connections (from the read until the
+    answer is sent). A request whose body does not fit is answered 503 before it is read.
+    At least ``max_body_bytes``."""
+    max_json_depth: int = 64
+    """Deepest nesting of arrays and objects accepted in a JSON body (400 deeper): deeply
+    nested JSON would otherwise exhaust the recursion of the parser, the template renderer
+    or the encoder."""
+    max_open_episodes: int = 4096
+    """Most episodes held at once (open or finished, until ``collect`` or ``discard``
+    removes them). Opening one more, by ``POST /episodes`` or a chat call to a new id, is
+    answered 429 (``too_many_episodes``)."""
     auto_open: bool = True
     """True: a chat call to an unknown episode id opens that episode (so an agent only needs
     a base URL). False: episodes must be opened first (``POST /episodes`` or
@@ -64,3 +99,13 @@ class GatewayConfig:
             raise ValueError(f"gateway max_model_len={self.max_model_len} must be >= 2 (or None)")
         if self.max_batch < 1 or self.batch_wait_s < 0 or self.request_timeout_s <= 0:
             raise ValueError("gateway max_batch must be >= 1, batch_wait_s >= 0 and request_timeout_s > 0")
+        for name in _POSITIVE:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
+                    or value == float("inf") or (name not in _SECONDS and not isinstance(value, int)):
+                kind = "a finite number of seconds > 0" if name in _SECONDS else "an integer >= 1"
+                raise ValueError(f"gateway {name}={value!r} must be {kind} (GatewayConfig.{name})")
+        if self.max_total_body_bytes < self.max_body_bytes:
+            raise ValueError(f"gateway max_total_body_bytes={self.max_total_body_bytes} is below max_body_bytes="
+                             f"{self.max_body_bytes}: no body of the largest size could ever be read "
+                             "(raise GatewayConfig.max_total_body_bytes)")

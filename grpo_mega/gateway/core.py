@@ -101,6 +101,11 @@ class Gateway:
             if episode_id in self._collected:
                 raise GatewayError(409, f"episode {episode_id!r} was collected for training; open a new one",
                                    param="id", code="episode_collected")
+            if len(self._episodes) >= self.config.max_open_episodes:
+                raise GatewayError(429, f"{len(self._episodes)} episodes are held already, the most "
+                                   f"GatewayConfig.max_open_episodes allows; collect or discard finished ones "
+                                   "(Gateway.collect / Gateway.discard) before opening more",
+                                   param="id", code="too_many_episodes")
             self._episodes[episode_id] = Episode(episode_id, self._serial, prompt_index, metadata)
             self._serial += 1
         return episode_id

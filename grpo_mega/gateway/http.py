@@ -1,10 +1,21 @@
-"""The HTTP server: routes, JSON in and out, OpenAI's error shape, loopback by default.
+"""The HTTP server: routes, JSON in and out, OpenAI's error shape, loopback by default,
+every resource a client can make it hold bounded (``gateway.limits`` states the bounds).
 
-Built on the standard library's ``ThreadingHTTPServer`` rather than FastAPI/uvicorn: the
-gateway runs inside the trainer's process next to the engine, and a thread per connection
-with blocking calls into :class:`~grpo_mega.gateway.core.Gateway` needs no event loop, no
-extra dependency (fastapi and uvicorn arrive only as vLLM's, in versions vLLM picks) and
-starts in milliseconds. It speaks HTTP/1.1 with keep-alive (the openai client reuses its
+Built on the standard library's ``ThreadingHTTPServer`` rather than FastAPI/uvicorn, which
+vLLM installs. Weighed (uvicorn 0.54, the version the CPU environment has): uvicorn's
+``limit_concurrency`` answers 503 only once a request's headers are complete, so
+half-sent requests still hold connections; its ``timeout_keep_alive`` starts only after a
+response, so a connection that sends part of a request (or nothing) has no timeout; it has
+no body-size limit and no deadline on reading a body (the app must count and time what it
+receives); and it needs an event loop in the trainer's process plus a thread pool for the
+gateway's blocking calls. Every bound would still be ours to write. The standard library
+needs no dependency (fastapi and uvicorn are not in ``install_requires``: they come only
+with vLLM, through the ``cpu``/``gpu`` extras, in versions vLLM picks, and the gateway
+serves any ``generate`` function, with or without vLLM), starts in milliseconds, and a
+thread per connection calling the blocking :class:`~grpo_mega.gateway.core.Gateway` is
+simple. Its weak points are bounded here: threads by a connection cap enforced before a
+thread is started, time by a deadline thread (``limits.Deadlines``), memory by header,
+body and total-body caps. It speaks HTTP/1.1 with keep-alive (the openai client reuses its
 connections) and no streaming (``stream=true`` is a 400).
 
 Routes (``<id>``: an episode id; the agent's ``base_url`` is ``<url>/episodes/<id>/v1``):
@@ -22,23 +33,30 @@ Routes (``<id>``: an episode id; the agent's ``base_url`` is ``<url>/episodes/<i
 
 Every refusal is JSON in OpenAI's error shape with a 4xx status and the header
 ``x-should-retry: false`` (the openai client would otherwise retry a 409 twice); a failure
-of the engine is a 5xx with the reason. No request can stop the server: an unexpected
-exception in a handler is logged and answered 500.
+of the engine is a 5xx with the reason; a cap on connections or body bytes is a 503 with
+``Retry-After: 1`` and ``x-should-retry: true``. The API key is checked from the headers
+before a body is read. No request can stop the server: an unexpected exception in a
+handler is logged and answered 500.
 """
 from __future__ import annotations
 
 import hmac
+import http.client
 import ipaddress
 import json
 import logging
 import re
 import socket
 import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
+from grpo_mega.gateway.limits import (
+    ByteBudget, Deadlines, HeaderBudget, busy_response, parse_json_object, refuse_connection,
+)
 from grpo_mega.gateway.openai_api import GatewayError, error_body, models_response
 
 __all__ = ["GatewayServer", "is_loopback"]
@@ -68,15 +86,65 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class _Dropped(Exception):
+    """The connection is given up without an answer (its deadline passed, or the client left)."""
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = 512  # the accept backlog: a burst of connections waits in the kernel, not dropped
 
     def __init__(self, address, handler, gateway: Any):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.gateway = gateway
-        super().__init__(address, handler)
+        cfg = gateway.config
+        super().__init__(address, handler)  # binds first: a port in use leaves no deadline thread behind
+        self.deadlines = Deadlines()
+        self.bodies = ByteBudget(cfg.max_total_body_bytes)
+        self.stats = {"connections": 0, "connections_refused": 0, "body_bytes_read": 0}
+        """Counters the tests read: connections open now, refused at the cap, body bytes read."""
+        self._stats_lock = threading.Lock()
+        self._busy = busy_response(503, f"the gateway serves at most {cfg.max_connections} connections at once "
+                                   "(GatewayConfig.max_connections); retry shortly", "too_many_connections")
+        self._warned = 0.0
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[key] += n
+
+    def process_request(self, request, client_address) -> None:
+        # Runs on the accepting thread: the cap is applied before a thread exists.
+        with self._stats_lock:
+            full = self.stats["connections"] >= self.gateway.config.max_connections
+            self.stats["connections_refused" if full else "connections"] += 1
+        if full:
+            refuse_connection(request, self._busy)
+            if time.monotonic() - self._warned > 10:  # one line per burst, not one per connection
+                self._warned = time.monotonic()
+                log.warning("gateway: %d connections open, refusing more (GatewayConfig.max_connections)",
+                            self.gateway.config.max_connections)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: give the slot back
+            self.count("connections", -1)
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001 - as the standard library's, but the slot is always given back
+            self.handle_error(request, client_address)
+        finally:
+            self.deadlines.forget(request)
+            self.shutdown_request(request)
+            self.count("connections", -1)
+
+    def server_close(self) -> None:
+        super().server_close()
+        self.deadlines.close()
 
     def handle_error(self, request, client_address) -> None:
         # A client that went away mid-response (the stdlib prints a traceback to stderr).
@@ -101,62 +169,133 @@ class _Handler(BaseHTTPRequestHandler):
         self._dispatch("DELETE")
 
     def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
-        # The stdlib's own refusals (a malformed request line, an unsupported method) in
-        # OpenAI's JSON error shape too, rather than an HTML page.
+        # The stdlib's own refusals (a malformed request line, an unsupported method, headers
+        # too large) in OpenAI's JSON error shape too, rather than an HTML page.
         self.close_connection = True
-        self._send(code, error_body(code, message or explain or HTTPStatus(code).phrase))
+        self._send(code, error_body(code, explain or message or HTTPStatus(code).phrase))
+
+    def handle_expect_100(self) -> bool:
+        # The stdlib answers "100 Continue" while parsing the headers, which invites the body
+        # before the key and the size are checked; ``_read_body`` sends it after the checks.
+        self._expect_100 = True
+        return True
 
     def log_message(self, fmt: str, *args: Any) -> None:
         log.debug("gateway %s - " + fmt, self.address_string(), *args)
 
-    # -- plumbing ------------------------------------------------------------
-    def _dispatch(self, method: str) -> None:
+    # -- one request, within its bounds ---------------------------------------
+    def handle_one_request(self) -> None:
+        """The standard library's, with an idle timeout before the request's first byte,
+        one deadline for the rest of it, and a cap on the header bytes."""
+        cfg, sock = self.server.gateway.config, self.connection
+        self.close_connection, self._expect_100 = True, False
         try:
-            raw = self._read_body()  # first, whatever the answer: on a kept-alive connection an
-            status, payload = self._route(method, raw)  # unread body would be read as the next request
-        except GatewayError as e:
-            status, payload = e.status, e.body()
-        except Exception as e:  # noqa: BLE001 - a handler bug answers 500, the server lives on
-            log.exception("gateway: unexpected error on %s %s", method, self.path)
-            status, payload = 500, error_body(500, f"internal error: {type(e).__name__}: {e}")
-        self._send(status, payload)
+            sock.settimeout(cfg.idle_timeout_s)
+            if not self.rfile.peek(1):
+                return  # the client closed the connection
+            sock.settimeout(cfg.read_timeout_s)
+            self.server.deadlines.arm(sock, cfg.read_timeout_s)
+            rfile, self.rfile = self.rfile, HeaderBudget(self.rfile, cfg.max_header_bytes)
+            try:
+                self.raw_requestline = self.rfile.readline(65537)
+                if not self.raw_requestline:
+                    return
+                parsed = self.parse_request()  # answers a malformed request itself
+            except http.client.LineTooLong as e:
+                self.requestline = self.request_version = self.command = ""
+                self.send_error(431, None, str(e))
+                return
+            finally:
+                self.rfile = rfile
+            if not parsed:
+                return
+            method = getattr(self, f"do_{self.command}", None)
+            if method is None:
+                self.send_error(501, None, f"unsupported method {self.command!r}")
+                return
+            method()
+        except (OSError, _Dropped):  # a timeout, the deadline's shutdown, a client gone
+            self.close_connection = True
+        finally:
+            self.server.deadlines.disarm(sock)
+
+    def _dispatch(self, method: str) -> None:
+        held = 0
+        try:
+            try:
+                self._authorized()  # from the headers alone: not a byte of the body is read before
+                held = self._reserve_body()
+                raw = self._read_body(held)
+                if not self.server.deadlines.disarm(self.connection):
+                    raise _Dropped()  # the request came in late; the deadline shut the socket
+                status, payload = self._route(method, raw)
+            except GatewayError as e:
+                status, payload = e.status, e.body()
+            except _Dropped:
+                raise
+            except Exception as e:  # noqa: BLE001 - a handler bug answers 500, the server lives on
+                log.exception("gateway: unexpected error on %s %s", method, self.path)
+                status, payload = 500, error_body(500, f"internal error: {type(e).__name__}: {e}")
+            self._send(status, payload)
+        finally:
+            if held:
+                self.server.bodies.give(held)
 
     def _send(self, status: int, payload: dict) -> None:
         data = json.dumps(payload).encode()
+        self.server.deadlines.arm(self.connection, self.server.gateway.config.read_timeout_s)
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         if 400 <= status < 500:
             self.send_header("x-should-retry", "false")
+        elif status == 503 and (payload.get("error") or {}).get("code") == "too_many_body_bytes":
+            self.send_header("Retry-After", "1")
+            self.send_header("x-should-retry", "true")
         if self.close_connection:
             self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
+        if not self.server.deadlines.disarm(self.connection):
+            raise _Dropped()
 
-    def _read_body(self) -> bytes:
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+    def _reserve_body(self) -> int:
+        """The body's length from its headers, checked and reserved before any of it is read.
+        Any refusal here leaves the body unread, so the connection is closed after the answer."""
+        if "Transfer-Encoding" in self.headers:
             self.close_connection = True
-            raise GatewayError(411, "send the body with a Content-Length (chunked bodies are not read)")
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
+            raise GatewayError(411, "send the body with a Content-Length (chunked and other transfer "
+                               "codings are not read)")
+        sent = set(self.headers.get_all("Content-Length") or [])
+        if not sent:
+            return 0
+        value = sent.pop().strip()
+        if sent or not value.isdigit() or not value.isascii():
             self.close_connection = True
-            raise GatewayError(400, "Content-Length is not a number") from None
-        limit = self.server.gateway.config.max_body_bytes
-        if length > limit:
-            self.close_connection = True  # the body stays unread
-            raise GatewayError(413, f"request body of {length} bytes exceeds {limit} "
+            raise GatewayError(400, "Content-Length must be one decimal number")
+        length, cfg = int(value), self.server.gateway.config
+        if length > cfg.max_body_bytes:
+            self.close_connection = True
+            raise GatewayError(413, f"request body of {length} bytes exceeds {cfg.max_body_bytes} "
                                "(GatewayConfig.max_body_bytes)")
-        return self.rfile.read(length) if length > 0 else b""
+        if length and not self.server.bodies.take(length):
+            self.close_connection = True
+            raise GatewayError(503, f"the gateway holds {cfg.max_total_body_bytes} bytes of request bodies "
+                               "already (GatewayConfig.max_total_body_bytes); retry shortly",
+                               code="too_many_body_bytes")
+        return length
 
-    @staticmethod
-    def _json(raw: bytes) -> Any:
-        if not raw:
-            return {}
-        try:
-            return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-        except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
-            raise GatewayError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    def _read_body(self, length: int) -> bytes:
+        if not length:
+            return b""
+        if self._expect_100:
+            self.send_response_only(100)
+            self.end_headers()
+        data = self.rfile.read(length)  # never more than the length announced
+        self.server.count("body_bytes_read", len(data))
+        if len(data) < length:
+            raise _Dropped()  # the client left, or the deadline shut the socket, mid-body
+        return data
 
     def _authorized(self) -> None:
         key = self.server.gateway.config.api_key
@@ -164,6 +303,8 @@ class _Handler(BaseHTTPRequestHandler):
             return
         sent = self.headers.get("Authorization", "")
         if not hmac.compare_digest(sent.encode(), f"Bearer {key}".encode()):
+            if "Content-Length" in self.headers or "Transfer-Encoding" in self.headers:
+                self.close_connection = True  # its body stays unread
             raise GatewayError(401, "missing or wrong API key (Authorization: Bearer ...; the openai "
                                "client's api_key=)", code="invalid_api_key")
 
@@ -177,8 +318,7 @@ class _Handler(BaseHTTPRequestHandler):
             if m != method:
                 allowed.append(m)
                 continue
-            self._authorized()
-            body = self._json(raw) if method == "POST" else None
+            body = parse_json_object(raw, self.server.gateway.config.max_json_depth) if method == "POST" else None
             return getattr(self, f"_{name}")(match.groupdict().get("id"), body)
         if allowed:
             raise GatewayError(405, f"{method} {path} is not allowed; use {' or '.join(sorted(set(allowed)))}")
@@ -234,10 +374,6 @@ class _Handler(BaseHTTPRequestHandler):
         return 200, {"status": "ok"}
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
@@ -246,7 +382,8 @@ class GatewayServer:
     """The gateway's HTTP server, serving on a thread of its own; a context manager.
 
     ``url``: ``http://host:port``; ``base_url(episode_id)``: what an agent's openai client
-    takes as ``base_url``.
+    takes as ``base_url``; ``httpd.stats``: connections open now, connections refused at the
+    cap, body bytes read.
     """
 
     def __init__(self, gateway: Any, host: str = "127.0.0.1", port: int = 0):

@@ -156,8 +156,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise _bad(f"stop={body.get('stop')!r} must be a string or a list of up to 4 non-empty strings", "stop")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise _bad(f"seed={seed!r} must be an integer", "seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**63):
+        raise _bad(f"seed={seed!r} must be a 64-bit integer", "seed")
     top_k = _int(body, "top_k", -1)
     return ChatRequest(messages=msgs, tools=tools, tool_choice=choice,
                        temperature=_number(body, "temperature", 0.0, 2.0),

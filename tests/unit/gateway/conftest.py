@@ -1,5 +1,6 @@
 """The gateway tests' shared parts: one scripted model and one vLLM engine for the package
-(both test modules use them; an engine costs about 10 s to start)."""
+(both test modules use them; an engine costs about 10 s to start), and the chat format
+alone for the limits tests."""
 from __future__ import annotations
 
 import importlib.util
@@ -21,6 +22,18 @@ def scripted(tmp_path_factory):
 
     model, script = build_scripted_model(tmp_path_factory.mktemp("gateway"))
     return model, script, ChatCodec.for_tokenizer(HFTokenizer(model), "chatml")
+
+
+@pytest.fixture(scope="package")
+def chatml_codec(tmp_path_factory):
+    """The real ChatML ``ChatCodec`` on the scripted tokenizer alone (no model, no engine:
+    the limits tests need the chat format, not a model)."""
+    from grpo_mega.data.tokenizer import HFTokenizer
+    from grpo_mega.rollout.chat_codec import ChatCodec
+    from tests.unit.gateway.scripted import build_scripted_tokenizer
+
+    return ChatCodec.for_tokenizer(HFTokenizer(build_scripted_tokenizer(tmp_path_factory.mktemp("tok") / "tok")),
+                                   "chatml")
 
 
 @pytest.fixture(scope="package")
