@@ -20,7 +20,8 @@ from typing import Any, Optional
 import yaml
 
 from grpo_mega.config_coerce import (  # noqa: F401  (re-exported: the public config API)
-    ConfigError, apply_dict, apply_overrides, field_docs, parse_overrides, sections_help, type_name)
+    ConfigError, apply_dict, apply_overrides, check_numbers, field_docs, parse_overrides, sections_help,
+    type_name, yaml_error)
 from grpo_mega.config_model import ModelConfig  # noqa: F401  (re-exported: the model section)
 
 
@@ -356,6 +357,13 @@ class Config:
     """Metrics sinks."""
 
 
+SIGNED_FIELDS = frozenset({"rollout.top_k", "reward.weights"})
+"""The numeric fields that may be negative (``rollout.top_k=-1`` disables top-k; a negative
+reward weight makes its term a penalty). Every other number of the config is refused below 0,
+and every float field refuses NaN and infinity (``config_coerce.check_numbers``, run by
+``preflight.validate``)."""
+
+
 def help_text() -> str:
     """``--help``: every field with its type, default and docstring (allowed values, from the
     registries: docs/reference/config.md)."""
@@ -369,7 +377,11 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {path!r} does not exist (--config)")
-        apply_dict(cfg, yaml.safe_load(p.read_text()) or {}, str(p))
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise yaml_error(e, str(p)) from None
+        apply_dict(cfg, data or {}, str(p))
     return apply_overrides(cfg, list(overrides or []))
 
 

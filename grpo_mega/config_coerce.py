@@ -12,8 +12,9 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import math
 import typing
-from typing import Any
+from typing import Any, Collection
 
 import yaml
 
@@ -21,6 +22,20 @@ import yaml
 class ConfigError(ValueError):
     """A config value is malformed or impossible; the message names the field."""
 
+
+def yaml_error(e: yaml.YAMLError, source: str) -> ConfigError:
+    """A PyYAML syntax error as one line naming ``source``, its line and column (1-based)
+    and the problem; PyYAML's own message names ``<unicode string>`` and spans five lines."""
+    def at(mark) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+    context, context_mark = getattr(e, "context", None), getattr(e, "context_mark", None)
+    msg = f"{source}, {at(mark)}" if mark else source
+    msg += f": not valid YAML: {problem or type(e).__name__}"
+    if context:
+        msg += f" ({context}{' at ' + at(context_mark) if context_mark else ''})"
+    return ConfigError(msg)
 
 
 def field_docs(cls) -> dict[str, str]:
@@ -64,7 +79,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if origin is list:
         (item,) = typing.get_args(tp)
         if isinstance(value, str):
-            value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
+            try:
+                value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
+            except yaml.YAMLError as e:
+                raise yaml_error(e, where) from None
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
@@ -99,6 +117,45 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
         raise ConfigError(f"{where}: expected a string, got {value!r}")
     return value
+
+
+# ------------------------------------------------------------------ the rule for numbers
+
+def _numbers(value: Any, tp: Any) -> list:
+    """The int/float values a field of annotation ``tp`` holds (Optional and lists unwrapped);
+    None (a field's "off", e.g. ``tis_cap: null``) holds none."""
+    origin = typing.get_origin(tp)
+    if value is None:
+        return []
+    if origin is typing.Union:
+        return _numbers(value, next(a for a in typing.get_args(tp) if a is not type(None)))
+    if origin is list:
+        return [x for v in value for x in _numbers(v, typing.get_args(tp)[0])]
+    if tp in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [value]
+    return []
+
+
+def check_numbers(cfg: Any, signed: Collection[str] = ()) -> None:
+    """The one rule for every number of a config of dataclass sections: a float is finite
+    (NaN passes every ``<``/``>`` check after it and poisons the run: a NaN learning rate,
+    temperature or clip bound) and no number is negative (counts, sizes, rates, times and
+    coefficients), except the ``section.key`` fields named in ``signed``, whose own checks
+    bound them. Raises ConfigError naming the field and its flag."""
+    for sec in dataclasses.fields(cfg):
+        section = getattr(cfg, sec.name)
+        if not dataclasses.is_dataclass(section):
+            continue
+        for name, tp in _section_types(type(section)).items():
+            key = f"{sec.name}.{name}"
+            value = getattr(section, name)
+            for v in _numbers(value, tp):
+                if not math.isfinite(v):
+                    raise ConfigError(f"{key}={value!r} is not a finite number; NaN and infinity are "
+                                      f"refused in every float field (--{key})")
+                if v < 0 and key not in signed:
+                    raise ConfigError(f"{key}={value!r} must be >= 0: a negative count, size, rate "
+                                      f"or time limit has no meaning here (--{key})")
 
 
 def _section_types(cls) -> dict[str, Any]:

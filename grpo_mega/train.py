@@ -150,6 +150,22 @@ def run(t: Trainer) -> dict:
     return t.finish()
 
 
+def refused_once(e: Exception) -> bool:
+    """A refusal of the input (config, data, tokenizer) before any process group: every
+    rank found the same cause, so one line on each node's first rank (the launcher's log of
+    that node), no traceback, and True; other errors are left to the caller."""
+    from grpo_mega.config import ConfigError
+    from grpo_mega.data import DataError
+    from grpo_mega.data.tokenizer import TokenizerError
+
+    if not isinstance(e, (ConfigError, DataError, TokenizerError)) or dist.is_initialized():
+        return False
+    if os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0":
+        kind = "data error" if isinstance(e, DataError) else "config error"
+        print(f"[grpo] {kind}: {e}", file=sys.stderr, flush=True)
+    return True
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     os.environ[lifeline.PARENT_ENV] = str(os.getpid())  # our spawn children watch us (__mp_main__)
@@ -172,6 +188,8 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except Exception as e:  # one readable line per failing rank; torchrun reports the exit code
+        if refused_once(e):
+            sys.exit(2)
         rank = os.environ.get("RANK", "0")
         print(f"[grpo] rank {rank} FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         if os.environ.get("GRPO_TRACEBACK", "1") == "1":

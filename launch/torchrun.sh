@@ -150,11 +150,20 @@ if [[ $MODE == check-config ]]; then
     exec "${CHECK[@]}" "${ARGS[@]}"
 fi
 if [[ ${SKIP_CONFIG_CHECK:-0} != 1 ]]; then
-    # Layout check: a world size that TP x PP x DP cannot fill would otherwise
-    # surface as a collective that hangs on some rank.
-    if ! msg=$("${CHECK[@]}" --world-size "$WORLD_SIZE" --validate-only "${ARGS[@]}" 2>&1 | tail -n 1); then
-        die "NNODES x NPROC_PER_NODE = $NNODES x $NPROC_PER_NODE = world size $WORLD_SIZE does not" \
-            "fit the config${CONFIG:+ $CONFIG}: ${msg#config error: }"
+    # The trainer's start-up checks, once, before any rank: a world size that TP x PP x DP
+    # cannot fill would hang a collective; a bad value, a missing data file or a model folder
+    # without a tokenizer would fail every rank, each with its traceback, under torchrun's block.
+    [[ $MODE == run && $ENTRY == grpo_mega.train ]] && CHECK+=(--require-paths)
+    if ! out=$("${CHECK[@]}" --world-size "$WORLD_SIZE" --validate-only "${ARGS[@]}" 2>&1 >/dev/null); then
+        # The check's own one-line verdict (its other output, if any, is library noise).
+        msg=$(grep -E '^(config|layout) error: ' <<< "$out" | tail -n 1 || true)
+        case $msg in
+            "layout error: "*)
+                die "NNODES x NPROC_PER_NODE = $NNODES x $NPROC_PER_NODE = world size $WORLD_SIZE does not" \
+                    "fit the config${CONFIG:+ $CONFIG}: ${msg#layout error: }" ;;
+            "config error: "*) die "${msg#config error: }" ;;
+            *) die "the pre-launch check (${CHECK[*]} --validate-only) failed:"$'\n'"$out" ;;
+        esac
     fi
 fi
 

@@ -5,6 +5,10 @@
   normalisations are registered by name in ``BASELINES`` / ``NORMS``.
 * ``process_advantages``: DeepSeekMath process supervision (per-step rewards).
 
+Both compute in float64 and return the rewards' float dtype (fp32 for integer rewards):
+in float32 a group holding a reward of about 1e20 squared it to inf, so its std was inf and
+every advantage of the group silently 0.
+
 ``ADVANTAGE_ESTIMATORS`` names the two estimators; ``algorithm.advantage`` in config
 is validated against it (``process`` needs rewards that return step scores:
 ``grpo_mega.rewards.StepScores``).
@@ -105,10 +109,10 @@ def group_advantages(rewards: Tensor, group_size: int, *, norm: str = "std",
     r = _float(rewards)
     if not bool(torch.isfinite(r).all()):
         raise ValueError("rewards contain NaN or inf")
-    grouped = r.view(-1, group_size)
+    grouped = r.double().view(-1, group_size)  # float64: see the module docstring
     adv = norm_fn(grouped - base_fn(grouped), grouped, eps)
     equal = grouped.amax(dim=1, keepdim=True) == grouped.amin(dim=1, keepdim=True)
-    return torch.where(equal, torch.zeros_like(adv), adv).reshape(-1)
+    return torch.where(equal, torch.zeros_like(adv), adv).reshape(-1).to(r.dtype)
 
 
 @ADVANTAGE_ESTIMATORS.register("process")
@@ -154,7 +158,8 @@ def process_advantages(step_rewards: Tensor, step_end_index: Tensor, group_size:
             raise ValueError("step_end_index: padding (-1) must only trail the real steps of a row")
         if bool((valid[:, 1:] & (ends[:, 1:] < ends[:, :-1])).any()):
             raise ValueError("step_end_index must be non-decreasing within a row")
-    r = _float(step_rewards)
+    out_dtype = _float(step_rewards).dtype
+    r = step_rewards.double()  # float64: see the module docstring
     if not bool(torch.isfinite(r[valid]).all()):
         raise ValueError("step_rewards contain NaN or inf at real steps")
 
@@ -174,5 +179,5 @@ def process_advantages(step_rewards: Tensor, step_end_index: Tensor, group_size:
     # reverse cumulative sum over tokens. O(B*T), no [B, S, T] intermediate.
     at_end = torch.zeros(b, response_len, dtype=r.dtype, device=r.device)
     at_end.scatter_add_(1, ends.clamp(min=0), normed)
-    return at_end.flip(1).cumsum(1).flip(1)
+    return at_end.flip(1).cumsum(1).flip(1).to(out_dtype)
 

@@ -30,6 +30,9 @@ __all__ = [
     "SentencePieceTokenizer",
     "HFTokenizer",
     "load_tokenizer",
+    "check_tokenizer_dir",
+    "TokenizerError",
+    "TOKENIZER_FILES",
     "train_sentencepiece",
     "write_hf_tokenizer_dir",
     "train_bpe_tokenizer",
@@ -152,11 +155,40 @@ class HFTokenizer:
         return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
 
 
+class TokenizerError(ValueError):
+    """A tokenizer path that would not give the model's vocabulary; the message names the
+    folder and the files expected."""
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
+"""Files that hold a vocabulary in an HF tokenizer directory (fast, sentencepiece, BPE with
+``merges.txt``, WordPiece). Without any, transformers builds a tokenizer of 1 token from the
+model's config alone, without a word, and the run fails later with a misleading error."""
+
+
+def check_tokenizer_dir(path: str | os.PathLike) -> None:
+    """TokenizerError unless directory ``path`` holds one of ``TOKENIZER_FILES``. Cheap (no
+    transformers import): the launcher's pre-check runs it before any rank starts."""
+    p = Path(path)
+    if p.is_dir() and not any((p / f).is_file() for f in TOKENIZER_FILES):
+        raise TokenizerError(f"model folder {str(p)!r} has no tokenizer files (expected one of "
+                             f"{', '.join(TOKENIZER_FILES)}); copy the tokenizer saved with the "
+                             "model into it (--model.hf_checkpoint)")
+
+
 def load_tokenizer(path: str | os.PathLike) -> SentencePieceTokenizer | HFTokenizer:
-    """A directory is an HF tokenizer; a ``.model`` file is raw sentencepiece."""
+    """A directory is an HF tokenizer; a ``.model`` file is raw sentencepiece. A directory
+    without tokenizer files, or one whose tokenizer has a vocabulary of 1, is refused."""
     p = Path(path)
     if p.is_dir():
-        return HFTokenizer(p)
+        check_tokenizer_dir(p)
+        tok = HFTokenizer(p)
+        if tok.vocab_size <= 1:
+            raise TokenizerError(f"the tokenizer in {str(p)!r} loads with a vocabulary of {tok.vocab_size}; "
+                                 f"its files ({', '.join(f for f in TOKENIZER_FILES if (p / f).is_file())}) "
+                                 "hold no vocabulary (--model.hf_checkpoint)")
+        return tok
     if p.is_file():
         return SentencePieceTokenizer(p)
     raise FileNotFoundError(f"tokenizer path {str(p)!r} is neither a directory nor a file")

@@ -10,9 +10,17 @@ layout launch, and will it fit?" before a multi-node job queues for hours:
 
 Options: ``--world-size N`` (default: tp x pp x dp from the config, dp=1 when it is 0),
 ``--gpus-per-node N`` (8), ``--gpu-memory-gib X`` (80, an H100/A100-80GB),
-``--validate-only`` (validate, print one line, exit 0 or 2), ``--write-budget`` (rewrite
+``--validate-only`` (validate, print one line, exit 0 or 2), ``--require-paths`` (the files a
+training run reads: the data paths set and present, tokenizer files in ``model.hf_checkpoint``;
+``launch/torchrun.sh`` adds it before it starts the trainer),
+``--write-budget`` (rewrite
 the ``# @budget-begin`` ... ``# @budget-end`` comment block of the config file), then ``--section.key=value``
 overrides exactly as the trainer takes them.
+
+A refusal is one line on stderr, exit 2: ``config error: ...`` for a config no world size can
+run (a value, a YAML syntax error with its file, line and column, a missing data file, a
+model folder without tokenizer files), ``layout error: ...`` for one this world size cannot
+fill. The launcher passes the line through as it is.
 
 The shape validated and budgeted is the trainer's: with ``model.hf_checkpoint`` set, the
 checkpoint's ``config.json`` replaces the YAML's shape fields, as at start-up
@@ -60,6 +68,7 @@ from grpo_mega.config import Config, ConfigError, ModelConfig, derived_dp, load_
 
 from grpo_mega.preflight.shape import describe_shape, model_shape_from_hf
 from grpo_mega.preflight.params import ParamCount, count_params, head_dim, padded_vocab
+from grpo_mega.preflight.paths import check_paths
 from grpo_mega.preflight.validate import validate
 
 __all__ = ["ParamCount", "count_params", "head_dim", "padded_vocab", "derive_layout", "memory_budget",
@@ -401,7 +410,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         validate_only = "--validate-only" in argv
         write = "--write-budget" in argv
-        argv = [a for a in argv if a not in ("--validate-only", "--write-budget")]
+        require_paths = "--require-paths" in argv
+        argv = [a for a in argv if a not in ("--validate-only", "--write-budget", "--require-paths")]
         path = _pop_option(argv, "--config")
         world = _pop_option(argv, "--world-size")
         gpn = int(_pop_option(argv, "--gpus-per-node") or 8)
@@ -411,8 +421,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                      else "the config (model.hf_checkpoint not given)")
         p = cfg.parallel
         world = int(world) if world else p.tp * p.pp * max(p.dp, 1)
-        validate(cfg, world, check_hardware=False)
+        validate(cfg, None, check_hardware=False)  # what no world size could run
     except (ConfigError, ValueError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        validate(cfg, world, check_hardware=False)
+    except ConfigError as e:
+        print(f"layout error: {e}", file=sys.stderr)
+        return 2
+    try:
+        check_paths(cfg, require=require_paths)  # after the layout, in the trainer's order
+    except ValueError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     layout = derive_layout(cfg, world, gpn)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from grpo_mega.config import Config, ConfigError, derived_dp, rollout_tp
+from grpo_mega.config import SIGNED_FIELDS, Config, ConfigError, check_numbers, derived_dp, rollout_tp
 from grpo_mega.models.precision import check_fp8_here
 from grpo_mega.preflight.placement import check_placement
 
@@ -320,6 +320,13 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
     for sec, name in positive:
         if getattr(getattr(cfg, sec), name) < 1:
             raise ConfigError(f"{sec}.{name} must be >= 1, got {getattr(getattr(cfg, sec), name)} (--{sec}.{name})")
+    check_numbers(cfg, SIGNED_FIELDS)  # every float finite, every number >= 0 but the signed ones
+    for key, value in (("reward.timeout_seconds", cfg.reward.timeout_seconds),
+                       ("parallel.timeout_minutes", p.timeout_minutes)):
+        if value <= 0:  # a limit of 0 fails every call at once; neither has an "off"
+            raise ConfigError(f"{key}={value} must be > 0 (--{key})")
+    if r.top_k < -1:
+        raise ConfigError(f"rollout.top_k={r.top_k} must be -1 (off) or >= 0 (--rollout.top_k)")
     if r.n < 2:
         raise ConfigError(f"rollout.n={r.n}: a group of one sample has advantage 0 everywhere (each "
                           "reward is its own group's mean), so nothing would be learnt; sample a group "
@@ -376,8 +383,12 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
     if o.lr <= 0:
         raise ConfigError(f"optimizer.lr={o.lr} must be > 0 (--optimizer.lr)")
     _check_distributed_impl(o, m, check_hardware)
-    if r.temperature < 0:
-        raise ConfigError(f"rollout.temperature={r.temperature} must be >= 0")
+    if r.temperature == 0:
+        # Greedy decoding gives a prompt's n samples the same completion: equal rewards,
+        # advantage 0 in every group, so every step is an empty update.
+        raise ConfigError(f"rollout.temperature=0 samples greedily: the rollout.n={r.n} completions of a "
+                          "prompt are identical, so no group has a reward spread and nothing is learnt; "
+                          "use a temperature > 0 (--rollout.temperature=1.0)")
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1] (--rollout.top_p)")
     truncated = [f"rollout.{k}={v}" for k, v, on in (("top_p", r.top_p, r.top_p < 1),

@@ -29,6 +29,7 @@ from grpo_mega.rewards.registry import (
     REWARD_REGISTRY, RewardFn, RewardSpec, check_reward_kwargs, register_reward, resolve_reward,
 )
 from grpo_mega.rewards.scorer import (
+    REWARD_BOUND,
     RewardError,
     RewardFailure,
     RewardResult,
@@ -41,7 +42,7 @@ from grpo_mega.rewards.steps import StepScores
 __all__ = [
     "RewardFn", "REWARD_REGISTRY", "register_reward", "resolve_reward", "check_reward_kwargs",
     "RewardSpec", "RewardSample", "RewardFailure", "RewardResult", "RewardError",
-    "RewardScorer", "score_samples", "StepScores",
+    "RewardScorer", "score_samples", "StepScores", "REWARD_BOUND",
     "extract_answer", "parse_number", "answers_equivalent", "math_verify_equivalent",
     "math_reward", "format_reward", "dapo_overlong_reward", "length_reward",
     "GroupFilter", "filter_uniform_groups",

@@ -19,6 +19,11 @@ length penalties read them.
 
 A reward may return :class:`~grpo_mega.rewards.steps.StepScores` (process
 supervision); ``RewardResult.steps`` then carries the weighted step scores.
+
+Every value a reward returns, and every sample's weighted total, must be finite and within
+``REWARD_BOUND`` (|r| <= 1e6): a larger one overflows the trainer's float32 batch (1e300
+became inf and crashed the step) or swamps its group's statistics. One outside is a failure
+of that reward on that sample, reported like a raise (prompt and sample index, function).
 """
 from __future__ import annotations
 
@@ -38,10 +43,25 @@ from grpo_mega.rewards.steps import StepScores
 
 __all__ = [
     "RewardSample", "RewardFailure", "RewardResult", "RewardError", "RewardScorer",
-    "score_samples", "ON_ERROR_POLICIES",
+    "score_samples", "ON_ERROR_POLICIES", "REWARD_BOUND",
 ]
 
 ON_ERROR_POLICIES = ("raise", "zero")
+
+REWARD_BOUND = 1e6
+"""Largest |reward| accepted, per reward function and for a sample's weighted total. Rewards
+are scores of the order of 1; the bound leaves room for any sensible scale while keeping
+squares and sums of a group (1e12 per term) exact enough in float64 and finite in float32."""
+
+
+def _out_of_bounds(value: float) -> str:
+    """Why ``value`` is not an acceptable reward, or ''."""
+    if not math.isfinite(value):
+        return f"returned non-finite value {value}"
+    if abs(value) > REWARD_BOUND:
+        return (f"returned {value:g}, outside the bound |reward| <= {REWARD_BOUND:g} "
+                "(grpo_mega.rewards.REWARD_BOUND); rescale the reward")
+    return ""
 
 
 @dataclass
@@ -61,10 +81,15 @@ class RewardFailure:
     reward: str | None
     message: str
     traceback: str = ""
+    group_size: int = 1
+    """G samples per prompt, contiguous in the batch: names the sample as (prompt, sample)."""
 
     def describe(self) -> str:
         where = f"reward {self.reward!r}" if self.reward else "reward"
-        return f"sample {self.index}: {where} {self.kind}: {self.message}"
+        g = self.group_size
+        sample = (f"prompt {self.index // g} sample {self.index % g} (batch index {self.index})"
+                  if g > 1 else f"sample {self.index}")
+        return f"{sample}: {where} {self.kind}: {self.message}"
 
 
 @dataclass
@@ -117,8 +142,9 @@ def _evaluate(specs: Sequence[RewardSpec], fns: Sequence[RewardFn], sample: Rewa
                 value = float(value)
         except Exception as e:  # noqa: BLE001 - any user error is reported, not raised here
             return ("error", spec.name, f"{type(e).__name__}: {e}", traceback.format_exc())
-        if not isinstance(value, StepScores) and not math.isfinite(value):
-            return ("error", spec.name, f"returned non-finite value {value}", "")
+        for v in value.scores if isinstance(value, StepScores) else (value,):
+            if _out_of_bounds(v):
+                return ("error", spec.name, _out_of_bounds(v), "")
         values.append(value)
     steps = [(s.name, v) for s, v in zip(specs, values) if isinstance(v, StepScores)]
     if steps:
@@ -198,9 +224,13 @@ class RewardScorer:
 
     def __init__(self, rewards: Sequence[RewardSpec | str | Mapping[str, Any]], *,
                  num_workers: int = 2, timeout_s: float = 10.0, on_error: str = "raise",
-                 mp_context: str = "spawn"):
+                 mp_context: str = "spawn", group_size: int = 1):
         if not rewards:
             raise ValueError("RewardScorer needs at least one reward")
+        if num_workers < 0 or group_size < 1:
+            raise ValueError(f"RewardScorer needs num_workers >= 0 and group_size >= 1, got "
+                             f"{num_workers} and {group_size} (--reward.num_workers, --rollout.n)")
+        self.group_size = int(group_size)
         if on_error not in ON_ERROR_POLICIES:
             raise ValueError(f"reward on_error={on_error!r}; choose one of {ON_ERROR_POLICIES}")
         if timeout_s <= 0:
@@ -325,9 +355,16 @@ class RewardScorer:
         failures = []
         for i in range(n):
             outcome = outcomes[i]
+            if outcome[0] == "ok":
+                total = sum(s.weight * (v.value if isinstance(v, StepScores) else v)
+                            for s, v in zip(self.specs, outcome[1]))
+                if _out_of_bounds(total):  # each term was within bounds; their weights were not
+                    names = "+".join(f"{s.weight:g}*{s.name}" for s in self.specs)
+                    outcome = ("error", None, f"weighted total {names} {_out_of_bounds(total)} "
+                               "(--reward.weights)", "")
             if outcome[0] != "ok":
                 kind, name, msg, tb = outcome
-                failures.append(RewardFailure(i, kind, name, msg, tb))
+                failures.append(RewardFailure(i, kind, name, msg, tb, self.group_size))
                 continue  # failed sample scores 0 (on_error="zero")
             step_scores = None
             for spec, value in zip(self.specs, outcome[1]):

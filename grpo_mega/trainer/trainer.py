@@ -21,6 +21,7 @@ import torch.distributed as dist
 from grpo_mega import console
 from grpo_mega.config import Config, ConfigError, cli_config, rollout_tp
 from grpo_mega.preflight.shape import model_shape_from_hf
+from grpo_mega.preflight.paths import check_paths
 from grpo_mega.preflight.validate import check_tokenizer_fits, reward_specs, validate
 
 if TYPE_CHECKING:
@@ -140,14 +141,7 @@ def preflight(cfg: Config, world: int) -> Preflight:
                           "(--model.hf_checkpoint=DIR)")
     model_shape_from_hf(cfg)
     validate(cfg, world)
-    if not cfg.data.eval_path:
-        # data.eval_every=0 turns off only the periodic evaluations: the run always evaluates
-        # before step 1 and after the last step (summary.json's before/after accuracy).
-        raise ConfigError("data.eval_path is required, also with data.eval_every=0: the run evaluates "
-                          "held-out accuracy before step 1 and after the last step (--data.eval_path=FILE)")
-    for p, flag in ((cfg.data.train_path, "data.train_path"), (cfg.data.eval_path, "data.eval_path")):
-        if not p or not Path(p).exists():
-            raise ConfigError(f"{flag}={p!r} does not exist (--{flag})")
+    check_paths(cfg, require=True)  # the launcher's pre-check runs the same
     init = cfg.model.init_checkpoint
     if init and not (Path(init) / "metadata.json").is_file():
         raise ConfigError(f"model.init_checkpoint={init!r} is not a megatron-core checkpoint directory "
@@ -294,7 +288,7 @@ def build_trainer(argv=None) -> Trainer:
         from grpo_mega.rewards import RewardScorer
         rc = cfg.reward
         scorer = RewardScorer(reward_specs(cfg), num_workers=rc.num_workers, timeout_s=rc.timeout_seconds,
-                              on_error={"stop": "raise", "zero": "zero"}[rc.on_error])
+                              on_error={"stop": "raise", "zero": "zero"}[rc.on_error], group_size=cfg.rollout.n)
 
     sink = None
     if ps.rank == 0:

@@ -88,3 +88,18 @@ def test_bad_input_raises_value_error_naming_argument(bad):
     fn, arg = BAD_INPUTS[bad]
     with pytest.raises(ValueError, match=arg):
         fn()
+
+
+def test_huge_rewards_keep_their_group_advantages_in_float64():
+    """Guards against float32 arithmetic on the rewards (issue 38 finding 12): a group
+    holding 1e20 squared it to inf, so its std was inf and all its advantages silently 0.
+    Computed in float64 and cast back: [1e20, 0, 0, 0] -> [1.5, -0.5, -0.5, -0.5] in the
+    rewards' dtype; the same holds for process advantages' step rewards."""
+    from tests.compare import max_abs_diff
+
+    adv = group_advantages(torch.tensor([1e20, 0, 0, 0, 1, 0, 1, 0], dtype=torch.float32), 4)
+    assert adv.dtype == torch.float32
+    want = torch.tensor([1.5, -0.5, -0.5, -0.5, *(torch.tensor([1.0, -1, 1, -1]) * 0.5 / math.sqrt(1 / 3))])
+    assert max_abs_diff(adv, want) < 1e-5, adv  # eps=1e-6 is added to the std
+    steps = process_advantages(torch.tensor([[1e20], [0.0], [0.0], [0.0]]), torch.tensor([[0], [0], [0], [0]]), 4, 1)
+    assert steps.dtype == torch.float32 and max_abs_diff(steps, want[:4, None]) < 1e-5, steps
