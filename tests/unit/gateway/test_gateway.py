@@ -8,7 +8,8 @@ One engine for the package (``conftest.py``), serving a scripted tiny Qwen2
 (``scripted.py``: its next-token log-probs are known exactly; it writes tool calls, and
 replies whose bytes do not survive decode + encode) with the real ChatML chat format
 (``rollout.chat_codec``). Each test starts its own gateway and server (milliseconds).
-Refusals and failures: ``test_gateway_errors.py``.
+Refusals and failures: ``test_gateway_errors.py``. Resource bounds (no engine: deadlines,
+caps, the key before the body, malformed JSON, a load test): ``test_gateway_limits.py``.
 """
 from __future__ import annotations
 
