@@ -288,17 +288,23 @@ class CheckpointConfig:
     save_every: int = 0
     """Save every N steps (0: only at the end)."""
     keep_last: int = 2
-    """Checkpoints kept on disk."""
+    """Checkpoints kept on disk: the newest saves by save order (not by step number), always
+    including the one ``latest`` names; 0 keeps all. Only directories grpo-mega wrote are deleted."""
     offload_reference: bool = False
     """Keep the reference model in CPU memory between uses (GPU only)."""
     resume: str = "auto"
     """``auto`` resumes from ``dir`` when it holds a checkpoint, else starts fresh; ``must``
     refuses to start without one (a mistyped ``dir`` is an error, not a fresh run);
-    ``never`` starts fresh even when ``dir`` holds checkpoints (its saves then replace them)."""
+    ``never`` starts fresh even when ``dir`` holds checkpoints: their steps and ``latest`` are
+    first moved into ``dir/previous_<time>/`` (a checkpoint directory to resume from later),
+    so the new run's saves neither replace nor rotate them away."""
     allow_unsafe_load: bool = False
     """Load checkpoint files (resumed ones and ``model.init_checkpoint``) that hold pickled
-    Python objects beyond tensors and plain data. Unpickling them can run arbitrary code
-    on every rank: set it only for checkpoints you made yourself."""
+    Python objects beyond tensors and plain data, or entries stored compressed. Unpickling
+    them can run arbitrary code on every rank: set it only for checkpoints you made yourself."""
+    allow_nonfinite_weights: bool = False
+    """Resume from a checkpoint whose weights or optimizer state hold NaN or infinite values
+    (refused by default, naming the tensors: such a run trains on garbage)."""
     export_hf: str = "end"
     """Write the trained model as a Hugging Face directory (safetensors, ``config.json``, the
     tokenizer files and chat template of ``model.hf_checkpoint``) that transformers and vLLM

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 POINTS = ("step", "rollout.generate", "reward.score", "update", "bridge.sync", "checkpoint.save",
-          "checkpoint.rotate", "async.submit", "async.collect", "remote.start")
-"""``async.*``: asynchronous GRPO (``algorithm.max_staleness``): ``async.submit`` as a step's
+          "checkpoint.rotate", "checkpoint.republish", "async.submit", "async.collect", "remote.start")
+"""``checkpoint.republish``: a step saved again (a finished command re-run) after the old copy
+was renamed aside and before the new one is in place. ``async.*``: asynchronous GRPO (``algorithm.max_staleness``): ``async.submit`` as a step's
 prompts go to the engines, ``async.collect`` as the trainer takes a batch whose generation
 overlapped the previous update (the engines are generating when it fires). ``remote.start``:
 in an engine server process, after it has its configuration and before it builds its engine

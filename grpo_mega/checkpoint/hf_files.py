@@ -35,11 +35,18 @@ class HFReader:
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
+            files = sorted(set(weight_map.values()), key=str)
         elif (self.dir / "model.safetensors").is_file():
             files = ["model.safetensors"]
         else:
             raise CheckpointError(f"{self.dir}: no model.safetensors or model.safetensors.index.json")
+        root = self.dir.resolve()
+        for f in files:
+            # A crafted index (or a link) could name any file the trainer can read ("../../x",
+            # "/etc/x"): its bytes would load as weights and reach the rollout engine.
+            if not isinstance(f, str) or os.path.isabs(f) or not (root / f).resolve().is_relative_to(root):
+                raise CheckpointError(f"{self.dir}: the weights file {f!r} lies outside the checkpoint "
+                                      "directory (named by model.safetensors.index.json, or a link); refusing to read it")
         self._files = {f: safe_open(str(self.dir / f), framework="pt", device="cpu") for f in files}
         self._where = {k: f for f, h in self._files.items() for k in h.keys()}
 

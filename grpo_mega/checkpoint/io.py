@@ -1,7 +1,27 @@
 """Checkpoint I/O shared by the trainer's checkpoints and the conversion tools: the one
-error class, the world that megatron's distributed checkpointing needs, its writer, and
-atomic output (write into a temporary directory next to the target, then rename), so a
-crash or a failed check never leaves a half-written checkpoint under the final name."""
+error class, what a load refuses, the world that megatron's distributed checkpointing
+needs, its writer, and atomic output (write into a temporary directory next to the target,
+then rename), so a crash or a failed check never leaves a half-written checkpoint under
+the final name.
+
+Threat model of a load (resume, ``model.init_checkpoint``, ``tools/convert_checkpoint.py``):
+the checkpoint's bytes may be hostile (downloaded, shared, or edited by someone else); the
+code, the config and the flags are trusted. Unless the user passes
+``checkpoint.allow_unsafe_load`` (for checkpoints they made themselves), a load
+
+* runs no code from the files: every pickle is decoded with an allow-list first (torch's
+  ``weights_only`` unpickler, or ``read_index``'s for the index), entries stored through a
+  transform (torch's zstd compression, which ``weights_only`` checks never saw) are
+  refused, and megatron's own load runs with torch's ``weights_only`` forced on
+  (``weights_only_loads``), so its ``weights_only=False`` calls cannot unpickle objects;
+* reads no file outside the checkpoint directory (the index's shard paths and links out
+  are refused; ``latest`` is checked in ``steps``, ``weight_map`` in ``hf_files``);
+* loads no NaN or infinite weight unless ``checkpoint.allow_nonfinite_weights``
+  (``check_finite``, which names the tensors).
+
+Not covered: a process with write access to the checkpoint directory while it is being
+loaded (the checks and the load read the files twice), and flipped bytes inside a tensor's
+payload (there is no checksum: they load as other finite weights)."""
 from __future__ import annotations
 
 import importlib
@@ -11,8 +31,9 @@ import pickle
 import re
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -64,7 +85,7 @@ def read_index(ckpt_dir: Path, allow_unsafe: bool, flag: str = UNSAFE_FLAG):
         return None
     unpickler = pickle.Unpickler if allow_unsafe else _IndexUnpickler
     try:
-        return unpickler(io.BytesIO(index.read_bytes())).load()
+        loaded = unpickler(io.BytesIO(index.read_bytes())).load()
     except pickle.UnpicklingError as e:
         if "is not allowed" not in str(e):
             raise CheckpointError(f"{index} is corrupt or truncated ({e}); resume from another "
@@ -75,6 +96,26 @@ def read_index(ckpt_dir: Path, allow_unsafe: bool, flag: str = UNSAFE_FLAG):
     except Exception as e:  # noqa: BLE001 - any other failure is a damaged file
         raise CheckpointError(f"{index} is corrupt ({type(e).__name__}: {e}); resume from another "
                               "step_* directory") from None
+    _check_index_entries(Path(ckpt_dir), loaded, allow_unsafe, flag)
+    return loaded
+
+
+def _check_index_entries(ckpt_dir: Path, index, allow_unsafe: bool, flag: str) -> None:
+    """Every entry the index names lies in a file inside ``ckpt_dir`` and is stored plain.
+    A transformed (zstd-compressed) entry is decoded by torch straight into its
+    ``weights_only=False`` load of objects, past any check of the stored bytes; this
+    project never writes one."""
+    root = ckpt_dir.resolve()
+    for idx, info in getattr(index, "storage_data", {}).items():
+        rel = str(getattr(info, "relative_path", ""))
+        if not rel or os.path.isabs(rel) or not (root / rel).resolve().is_relative_to(root):
+            raise CheckpointError(f"{ckpt_dir / '.metadata'}: entry {idx.fqn!r} is stored in {rel!r}, "
+                                  f"outside the checkpoint directory {ckpt_dir}; refusing to read it")
+        if getattr(info, "transform_descriptors", None) and not allow_unsafe:
+            raise CheckpointError(
+                f"{ckpt_dir / rel}: entry {idx.fqn!r} is stored compressed ({', '.join(info.transform_descriptors)}); "
+                "its bytes cannot be checked before torch unpickles them, which could run code from the file. "
+                f"Pass {flag} only for checkpoints you made yourself")
 
 
 def check_shard_files(ckpt_dir: Path, index) -> None:
@@ -82,8 +123,12 @@ def check_shard_files(ckpt_dir: Path, index) -> None:
     need: dict[str, int] = {}
     for info in getattr(index, "storage_data", {}).values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    root = Path(ckpt_dir).resolve()
     for name, size in sorted(need.items()):
         f = Path(ckpt_dir) / name
+        if f.exists() and not f.resolve().is_relative_to(root):
+            raise CheckpointError(f"checkpoint shard {f} links to {f.resolve()}, outside the checkpoint "
+                                  f"directory {ckpt_dir}; refusing to read it")
         if not f.is_file():
             raise CheckpointError(f"checkpoint shard {f} is missing (the index {Path(ckpt_dir) / '.metadata'} "
                                   "names it); the checkpoint is incomplete: resume from another step_* directory")
@@ -98,8 +143,10 @@ def _entries(ckpt_dir: Path, index, bytes_only: bool = False):
 
     kinds = getattr(index, "state_dict_metadata", {})
     for idx, info in getattr(index, "storage_data", {}).items():
-        if info.transform_descriptors or (bytes_only and not isinstance(kinds.get(idx.fqn), BytesStorageMetadata)):
-            continue  # a transformed (compressed) entry is not a torch.save stream
+        if bytes_only and not isinstance(kinds.get(idx.fqn), BytesStorageMetadata):
+            continue
+        if info.transform_descriptors:  # read_index refused it unless the user opted in
+            continue
         f = Path(ckpt_dir) / info.relative_path
         with open(f, "rb") as fh:
             fh.seek(info.offset)
@@ -126,6 +173,49 @@ def check_object_entries(ckpt_dir: Path, index) -> None:
             raise CheckpointError(
                 f"checkpoint shard {f}: entry {idx.fqn!r} names {name}; unpickling it could run code "
                 f"from the file. Pass {UNSAFE_FLAG} only for checkpoints you made yourself") from None
+
+
+@contextmanager
+def weights_only_loads(enabled: bool = True) -> Iterator[None]:
+    """Within the block, every ``torch.load`` is ``weights_only`` even where the caller
+    asked for ``weights_only=False`` (torch's ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``): megatron
+    and torch load a checkpoint's object entries that way. The entries were decoded with
+    ``weights_only`` before (``check_object_entries``); this keeps a file that changed since,
+    or an entry that check did not see, from running code."""
+    var = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+    before = os.environ.get(var)
+    if enabled:
+        os.environ[var] = "1"
+    try:
+        yield
+    finally:
+        if enabled:
+            if before is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = before
+
+
+NONFINITE_FLAG = "--checkpoint.allow_nonfinite_weights=true"
+
+
+def check_finite(tensors: dict, where: Path, device: Any = None, flag: str = NONFINITE_FLAG) -> None:
+    """Refuse NaN or infinite values in ``tensors`` (name -> tensor; other values are
+    skipped), naming them. Collective when a world of several ranks is up (each rank holds
+    its own shards): every rank raises, not only the one holding the bad shard, which would
+    leave the others waiting in the next collective."""
+    bad = [name for name, t in tensors.items()
+           if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    total = len(bad)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        count = torch.tensor([float(total)], device=device if device is not None else "cpu")
+        dist.all_reduce(count)
+        total = int(count.item())
+    if total:
+        named = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "") if bad else \
+            "tensors held by other ranks"
+        raise CheckpointError(f"checkpoint {where} holds NaN or infinite values in {named}; resume from an "
+                              f"earlier step_* directory, or pass {flag} to load them anyway")
 
 
 def find_corrupt_shard(ckpt_dir: Path, index) -> Optional[str]:

@@ -5,7 +5,9 @@ its ranks went on saving checkpoints while a restart of the same command loaded 
 same directory, and its two ranks resumed from different half-written steps.
 
 Global rank 0 takes an exclusive ``flock`` on ``<dir>/.grpo-mega.lock`` for the life of the
-job and writes who holds it (host, pid, start time, command) into the file. The kernel
+job, in the run directory and in the checkpoint directory itself (``lock_run``): two jobs
+with different run directories shared one checkpoint directory when one kept it inside its
+run directory and the other pointed ``--checkpoint.dir`` at it. The lock and writes who holds it (host, pid, start time, command) into the file. The kernel
 drops a ``flock`` when its holder dies however it dies, so a lock left by a killed job is
 free and simply taken over (its old contents are reported). A second live job gets a
 ``RunDirectoryLocked`` error naming the holder. On a shared filesystem the lock is as good
@@ -56,7 +58,7 @@ class RunLock:
     """The holder recorded by a job that died with the lock (taken over), else None."""
 
     @classmethod
-    def acquire(cls, directory: str | os.PathLike) -> "RunLock":
+    def acquire(cls, directory: str | os.PathLike, what: str = "run directory") -> "RunLock":
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / LOCK_NAME
@@ -67,7 +69,7 @@ class RunLock:
             os.close(fd)
             holder = read_holder(directory) or {}
             raise RunDirectoryLocked(
-                f"run directory {directory.resolve()} is in use by another job ({_describe(holder)}); "
+                f"{what} {directory.resolve()} is in use by another job ({_describe(holder)}); "
                 "stop that job, or give this one another --logging.run_dir (or --checkpoint.dir)"
             ) from None
         previous = read_holder(directory)
@@ -88,3 +90,20 @@ class RunLock:
     def taken_over(self) -> Optional[str]:
         """A line about the dead job whose lock this one took over, or None."""
         return None if not self.previous else f"took over the lock of a job that is gone ({_describe(self.previous)})"
+
+
+def lock_run(run_dir: str | os.PathLike, ckpt_dir: str | os.PathLike) -> list[RunLock]:
+    """Lock the run directory and the checkpoint directory (once when they are the same
+    directory; a second ``flock`` of one file from this process would refuse itself).
+    Raises ``RunDirectoryLocked`` naming the directory and its holder, holding nothing."""
+    dirs = {Path(run_dir).resolve(): "run directory"}
+    dirs.setdefault(Path(ckpt_dir).resolve(), "checkpoint directory")
+    locks: list[RunLock] = []
+    try:
+        for d, what in dirs.items():
+            locks.append(RunLock.acquire(d, what))
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks

@@ -13,17 +13,16 @@ restored only when the layout is unchanged (they have no meaning in another layo
 
 Atomicity: every rank writes into ``step_XXXXXXXX.tmp``; after a barrier rank 0
 renames it to ``step_XXXXXXXX`` and only then replaces the ``latest`` pointer
-(write-to-temp + ``os.replace``). A run killed at any point leaves ``latest``
-naming a complete checkpoint; stale ``.tmp`` directories are removed by the next
-save. ``keep_last`` rotation renames an old checkpoint to ``.deleting`` before deleting
-it, so a kill mid-rotation never leaves a half-deleted ``step_*`` behind.
+(write-to-temp + ``os.replace``). The directory's layout, the ``keep_last`` rotation (by
+save order), re-publishing a step and what a kill at each point leaves are in ``steps``;
+what a load refuses (code in pickles, compressed entries, paths outside the checkpoint,
+non-finite weights) is in ``io``.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import shutil
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
@@ -31,8 +30,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from grpo_mega.checkpoint.io import (CheckpointError, check_object_entries, check_shard_files,
-                                     find_corrupt_shard, load_plain, read_index)
+from grpo_mega.checkpoint import steps
+from grpo_mega.checkpoint.io import (CheckpointError, check_finite, check_object_entries, check_shard_files,
+                                     find_corrupt_shard, load_plain, read_index, weights_only_loads)
 from grpo_mega.distributed.state import ParallelState
 from grpo_mega.faults import fault_point
 from grpo_mega.models import sharded_state_dict
@@ -85,18 +85,20 @@ def _barrier():
         dist.barrier()
 
 
+def _agree_or_raise(error: Optional[str]) -> None:
+    """Collective: rank 0's error (or None) reaches every rank, and every rank raises it;
+    a rank 0 that raised alone left the others in the next collective until its timeout."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise CheckpointError(error)
+
+
 def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
     """The checkpoint ``latest`` names, or None if there is none yet."""
-    root = Path(root)
-    pointer = root / "latest"
-    if not pointer.exists():
-        return None
-    name = pointer.read_text().strip()
-    path = root / name
-    if not (path / "grpo_meta.json").exists():
-        raise CheckpointError(f"{pointer} names {name}, but {path} is missing or incomplete; "
-                              f"point 'latest' at a complete step_* directory or remove it")
-    return path
+    return steps.resolve_latest(Path(root))
 
 
 RESUME_MODES = ("auto", "must", "never")
@@ -171,14 +173,15 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: Pa
     from megatron.core import dist_checkpointing
 
     root = Path(root)
-    final = root / f"step_{step:08d}"
-    tmp = root / f"step_{step:08d}.tmp"
+    final = root / steps.step_name(step)
+    tmp = final.with_name(final.name + ".tmp")
+    error = None
     if ps.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in [*root.glob("*.tmp"), *root.glob("*.deleting")]:
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    _barrier()
+        try:
+            steps.begin(root, step)
+        except CheckpointError as e:  # a foreign directory in the way: every rank stops
+            error = str(e)
+    _agree_or_raise(error)
     model_sd = sharded_state_dict(model, ps)
     # A DP-sharded optimizer gathers whole per-parameter state for the save, so the
     # files do not depend on dp (or on which optimizer wrote them).
@@ -194,34 +197,21 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: Pa
     if ps.rank == 0:
         meta = dict(common, step=step, layout={"tp": ps.tp, "pp": ps.pp, "dp": ps.dp},
                     reference_stored=reference is not None)
-        (tmp / "grpo_meta.json").write_text(json.dumps(meta, indent=1, default=str))
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        pointer_tmp = root / "latest.tmp"
-        pointer_tmp.write_text(final.name + "\n")
-        os.replace(pointer_tmp, root / "latest")
-        done = sorted(p for p in root.glob("step_*") if p.is_dir() and p.name[5:].isdigit())
-        # Renamed first (atomic), then deleted: a kill mid-rotation leaves ``*.deleting``
-        # directories, never a half-deleted ``step_*`` that looks complete; the next save
-        # removes them.
-        for i, old in enumerate(done[:-keep_last] if keep_last > 0 else []):
-            gone = old.with_name(old.name + ".deleting")
-            os.rename(old, gone)
-            if i == 0:
-                fault_point("checkpoint.rotate")
-            shutil.rmtree(gone, ignore_errors=True)
+        steps.finish(root, tmp, meta, keep_last)
     _barrier()
     return final
 
 
 def load_checkpoint(path: str | os.PathLike, model, optimizer, ps: ParallelState,
-                    model_cfg=None, reference=None, allow_unsafe_load: bool = False) -> dict:
+                    model_cfg=None, reference=None, allow_unsafe_load: bool = False,
+                    allow_nonfinite: bool = False) -> dict:
     """Load into the built model (any layout) and optimizer; returns the saved common dict.
     ``reference``: the built reference model; loaded from the checkpoint when it holds one
     (``reference_stored``), else left as built (the initial weights).
     ``allow_unsafe_load``: unpickle files that hold more than tensors and plain data
-    (``checkpoint.allow_unsafe_load``); refused by default, since that can run code."""
+    (``checkpoint.allow_unsafe_load``); refused by default, since that can run code.
+    ``allow_nonfinite``: load NaN or infinite weights and optimizer state
+    (``checkpoint.allow_nonfinite_weights``); refused by default, naming the tensors."""
     path = Path(path)
     meta_file = path / "grpo_meta.json"
     if not meta_file.exists():
@@ -242,12 +232,12 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, ps: ParallelState
     # A DP-sharded optimizer takes its slices of the whole state (and, in fp32, its
     # master from the loaded weights) when this block ends.
     with optimizer.full_state(write_back=True) if optimizer is not None else nullcontext():
-        _load_into(path, model, optimizer, ps, reference, meta, allow_unsafe_load)
+        _load_into(path, model, optimizer, ps, reference, meta, allow_unsafe_load, allow_nonfinite)
     return meta
 
 
 def _load_into(path: Path, model, optimizer, ps: ParallelState, reference, meta: dict,
-               allow_unsafe_load: bool) -> None:
+               allow_unsafe_load: bool, allow_nonfinite: bool) -> None:
     from megatron.core import dist_checkpointing
 
     model_sd = sharded_state_dict(model, ps)
@@ -269,10 +259,15 @@ def _load_into(path: Path, model, optimizer, ps: ParallelState, reference, meta:
     extra, any_rank = _rank_state(path, ps.rank, allow_unsafe_load) if optimizer is not None else ({}, {})
     from torch.distributed.checkpoint.api import CheckpointException
     try:
-        loaded = dist_checkpointing.load(sharded, str(path))
+        with weights_only_loads(not allow_unsafe_load):
+            loaded = dist_checkpointing.load(sharded, str(path))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - the latter is a BaseException
         culprit = find_corrupt_shard(path, index) if index is not None else None
         raise CheckpointError(culprit or f"could not load checkpoint {path}: {e}") from e
+    # torch has already copied the values into the model's tensors (its load is in place);
+    # a refusal stops the run before a step or a save can use them.
+    if not allow_nonfinite:
+        check_finite(dict(_flatten(loaded)), path, device=getattr(ps, "device", None))
     model.load_state_dict(loaded["model"], strict=False)
     if load_reference:
         reference.load_state_dict(loaded["reference"], strict=False)

@@ -167,26 +167,31 @@ def preflight(cfg: Config, world: int) -> Preflight:
 
 
 def _claim_run(cfg: Config, ps: ParallelState, ckpt_dir: Path, say) -> tuple[list, Optional[Path]]:
-    """Collective. Global rank 0 takes the run directory's lock (and the checkpoint
-    directory's, when it lies elsewhere), then decides the checkpoint to resume from; every
-    rank receives that decision. Without the lock two jobs wrote one directory; without
+    """Collective. Global rank 0 takes the run directory's lock and the checkpoint
+    directory's (a job whose checkpoint directory lies in another job's run directory
+    shared it with that job), then decides the checkpoint to resume from (under
+    ``resume=never``, after moving the old steps aside); every rank receives that
+    decision. Without the lock two jobs wrote one directory; without
     the broadcast two ranks resumed from different steps (each read ``latest`` while the
     other job was rotating checkpoints). A second live job fails on every rank, naming
     the holder."""
-    from grpo_mega.checkpoint.run_lock import RunDirectoryLocked, RunLock
+    from grpo_mega.checkpoint import steps
+    from grpo_mega.checkpoint.run_lock import RunDirectoryLocked, lock_run
     from grpo_mega.checkpoint.trainer_state import resume_checkpoint
 
     locks: list = []
     decision: list = [None, None]  # [error message, checkpoint path]
     if ps.rank == 0:
-        run_dir = Path(cfg.logging.run_dir).resolve()
-        dirs = [run_dir] + ([] if ckpt_dir.resolve().is_relative_to(run_dir) else [ckpt_dir.resolve()])
         try:
-            for d in dirs:
-                locks.append(RunLock.acquire(d))
-                if locks[-1].taken_over():
-                    say(f"{d}: {locks[-1].taken_over()}")
+            locks = lock_run(cfg.logging.run_dir, ckpt_dir)
+            for lock in locks:
+                if lock.taken_over():
+                    say(f"{lock.directory}: {lock.taken_over()}")
             found = resume_checkpoint(ckpt_dir, cfg.checkpoint.resume)
+            if cfg.checkpoint.resume == "never":
+                moved = steps.set_aside(ckpt_dir)
+                if moved is not None:
+                    say(f"checkpoint.resume=never: moved the earlier steps of {ckpt_dir} into {moved}")
             decision = [None, None if found is None else str(found)]
         except RunDirectoryLocked as e:
             decision = [str(e), None]
@@ -248,7 +253,8 @@ def build_trainer(argv=None) -> Trainer:
     if latest is not None:
         say(f"resuming from {latest}")
         meta = load_checkpoint(latest, model, optimizer, ps, cfg.model, reference=ref,
-                               allow_unsafe_load=cfg.checkpoint.allow_unsafe_load)
+                               allow_unsafe_load=cfg.checkpoint.allow_unsafe_load,
+                               allow_nonfinite=cfg.checkpoint.allow_nonfinite_weights)
         dataset.load_state_dict(meta["data"])
         scheduler.load_state_dict(meta["scheduler"])
 

@@ -115,12 +115,12 @@ def _claim_rank(rank, world, root):
 def test_restart_every_rank_resumes_the_checkpoint_rank_0_chose(tmp_path):
     """Guards against ranks resuming different checkpoints (each read ``latest`` itself, and
     a concurrent writer rotated it between their reads): rank 1 must take rank 0's choice,
-    and only rank 0 holds the run directory's lock."""
+    and only rank 0 holds the locks (the run directory's and the checkpoint directory's)."""
     from tests.distributed import run_ranks
 
     (r0, held0), (r1, held1) = run_ranks(2, _claim_rank, str(tmp_path), timeout=120)
     assert r0 == r1 == str(tmp_path / "checkpoints" / "step_00000004")
-    assert held0 == [str(tmp_path.resolve())] and held1 == []
+    assert held0 == [str(tmp_path.resolve()), str((tmp_path / "checkpoints").resolve())] and held1 == []
 
 
 def test_kill_child_of_a_rank_killed_before_it_could_watch_stops_at_once(tmp_path):

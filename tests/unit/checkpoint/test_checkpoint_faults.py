@@ -58,6 +58,33 @@ def _replace_object_entry(d: Path, payload: bytes) -> None:
     (d / ".metadata").write_bytes(pickle.dumps(index))
 
 
+def _compressed_object_entry(d: Path, pickled: bytes) -> None:
+    """The crafted checkpoint of issue 38 finding 9: an object entry marked as stored
+    zstd-compressed (torch decompresses it, then unpickles it with ``weights_only=False``).
+    With ``zstandard`` installed the payload is compressed for real; without it, the raw
+    pickle carries the mark all the same (torch would fail to decompress it)."""
+    try:
+        import zstandard
+        payload = zstandard.ZstdCompressor().compress(pickled)
+    except ImportError:
+        payload = pickled
+    _replace_object_entry(d, payload)
+    index = pickle.loads((d / ".metadata").read_bytes())
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    key = next(k for k in index.storage_data
+               if isinstance(index.state_dict_metadata[k.fqn], BytesStorageMetadata))
+    index.storage_data[key] = dataclasses.replace(index.storage_data[key], transform_descriptors=["stream.zstd/1"])
+    (d / ".metadata").write_bytes(pickle.dumps(index))
+
+
+def _shard_outside(d: Path) -> None:
+    """The index names a shard file outside the checkpoint directory."""
+    index = pickle.loads((d / ".metadata").read_bytes())
+    key = next(iter(index.storage_data))
+    index.storage_data[key] = dataclasses.replace(index.storage_data[key], relative_path="../outside.distcp")
+    (d / ".metadata").write_bytes(pickle.dumps(index))
+
+
 def _corrupt_tensor_entry(d: Path) -> None:
     """Overwrite the start of one tensor entry (its zip header) in place: same length."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -99,6 +126,8 @@ def _faults(rank, world, root, marker):
         "code in common.pt": lambda d: (d / "common.pt").write_bytes(evil),
         "code in index": lambda d: (d / ".metadata").write_bytes(pickle.dumps(MarkerOnLoad(marker))),
         "code in object entry": lambda d: _replace_object_entry(d, evil),
+        "code in compressed object entry": lambda d: _compressed_object_entry(d, evil),
+        "shard outside the directory": _shard_outside,
         "legacy rank file": lambda d: torch.save(
             dict(torch.load(d / "rank_00000.pt"), legacy=LegacyState()), d / "rank_00000.pt"),
     }
@@ -130,6 +159,41 @@ def _faults(rank, world, root, marker):
             out[f"code in index, {name}"] = ("loaded", "", Path(marker).exists())
         except BaseException as e:  # noqa: BLE001 - any escape but CheckpointError is the bug
             out[f"code in index, {name}"] = (type(e).__name__, str(e), Path(marker).exists())
+    # issue 38 finding 8: a re-publish of step 1 killed after the old copy was moved aside
+    # and before the new one was renamed into place leaves a checkpoint resume loads.
+    from grpo_mega import faults
+    from grpo_mega.checkpoint import latest_checkpoint
+    republish = Path(root) / "republish"
+    shutil.copytree(good.parent, republish)
+    faults._FAULT = faults.parse("checkpoint.republish:raise")
+    try:
+        save_checkpoint(republish, 1, model, opt, ps, {"data": [2]})
+        out["republish killed"] = ("not killed", "", False)
+    except faults.FaultInjected:
+        faults._FAULT = None
+        found = latest_checkpoint(republish)
+        out["republish killed"] = ("loaded", str(found), False)
+        load_checkpoint(found, model, opt, ps, m)
+    finally:
+        faults._FAULT = None
+    # issue 38 finding 10: NaN or infinite weights are refused, naming them, unless allowed.
+    weight = dict(model.named_parameters())["embedding.word_embeddings.weight"]
+    kept = weight.detach().clone()
+    with torch.no_grad():
+        weight[0, 0] = float("nan")
+        weight[1, 1] = float("inf")
+    nan_dir = save_checkpoint(f"{root}/nan", 1, model, opt, ps, {"data": [1]})
+    with torch.no_grad():
+        weight.copy_(kept)
+    try:
+        load_checkpoint(nan_dir, model, opt, ps, m)
+        out["nan weights"] = ("loaded", "", bool(torch.isnan(weight).any()))
+    except CheckpointError as e:
+        out["nan weights"] = ("CheckpointError", str(e), bool(torch.isnan(weight).any()))
+    load_checkpoint(nan_dir, model, opt, ps, m, allow_nonfinite=True)
+    out["nan weights, allowed"] = ("loaded", "", bool(torch.isnan(weight).any()))
+    with torch.no_grad():
+        weight.copy_(kept)
     # The opt-in does what it says: an older-format file loads with it.
     legacy = Path(root) / "legacy_rank_file"
     Path(marker).unlink(missing_ok=True)
@@ -188,6 +252,19 @@ def test_unsafe_checkpoint_file_is_refused_before_it_runs_code(faults, fault):
     assert not marker_exists, f"{fault}: the crafted pickle ran code"
 
 
+def test_compressed_object_entry_is_refused_before_torch_decodes_it(faults):
+    """Guards against the object-entry check skipping entries marked compressed (issue 38
+    finding 9): torch decompresses such an entry and unpickles it with
+    ``weights_only=False``, so with ``zstandard`` or ``pyzstd`` installed a crafted
+    checkpoint ran code. It must be refused for its mark, naming the file, the entry and
+    the flag, and the payload (which creates a file when unpickled) must not have run."""
+    res, root = faults
+    kind, msg, marker_exists = res["code in compressed object entry"]
+    assert not marker_exists, "the crafted compressed pickle ran code"
+    assert kind == "CheckpointError" and "stored compressed (stream.zstd/1)" in msg, (kind, msg)
+    assert str(root / "code_in_compressed_object_entry") in msg and "--checkpoint.allow_unsafe_load" in msg, msg
+
+
 def test_legacy_checkpoint_needs_the_unsafe_flag_and_loads_with_it(faults):
     """Guards against an older-format per-rank file (Python objects beyond tensors)
     failing with torch's raw weights_only message, or the opt-in flag being ignored;
@@ -226,3 +303,32 @@ def test_resume_modes_must_never_auto(tmp_path):
     afile.write_text("")
     with pytest.raises(CheckpointError, match="is a file"):
         resume_checkpoint(afile, "auto")
+
+
+def test_republish_killed_midway_leaves_a_checkpoint_that_loads(faults):
+    """Guards against re-publishing a step (a finished command run again) deleting the
+    published copy before its replacement is in place (issue 38 finding 8): a kill in
+    that window left ``latest`` naming a missing directory and nothing to resume."""
+    res, root = faults
+    kind, found, _ = res["republish killed"]
+    assert kind == "loaded", res["republish killed"]
+    assert Path(found).parent == root / "republish", found
+
+
+def test_nonfinite_weights_are_refused_naming_them_and_load_with_the_flag(faults):
+    """Guards against a checkpoint with NaN or infinite weights loading silently (issue 38
+    finding 10): the run trained on from garbage. The refusal names the tensor and the
+    flag; with the flag the values load as stored."""
+    res, _ = faults
+    kind, msg, _ = res["nan weights"]
+    assert kind == "CheckpointError" and "embedding.word_embeddings.weight" in msg, (kind, msg)
+    assert "--checkpoint.allow_nonfinite_weights=true" in msg, msg
+    assert res["nan weights, allowed"] == ("loaded", "", True)
+
+
+def test_shard_named_outside_the_checkpoint_directory_is_refused(faults):
+    """Guards against a crafted index naming a shard file outside the checkpoint directory
+    (``../x``), which torch's reader opens as given (issue 38 finding 10)."""
+    res, _ = faults
+    kind, msg, _ = res["shard outside the directory"]
+    assert kind == "CheckpointError" and "outside the checkpoint directory" in msg, (kind, msg)
