@@ -129,6 +129,14 @@ class EnvConfig:
     chat_format: str = "auto"
     """The chat template family that renders and parses turns (``auto``: detected from the
     tokenizer's chat template)."""
+    tool_workers: int = 8
+    """Environment steps (an episode's tool calls of one turn) run at once, in threads, on
+    each engine replica's first rank while its other ranks wait; 1: one after the other.
+    Each python tool call holds a sandbox process (``memory_mb``, ``cpu_seconds``)."""
+    turn_budget_seconds: float = 300.0
+    """Wall-clock budget of one turn's environment steps on a replica; past it the step
+    fails naming this flag. At most 80% of the collective timeout
+    (``parallel.timeout_minutes``), under which the other ranks wait meanwhile."""
 
 
 @dataclass

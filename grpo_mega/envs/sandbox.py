@@ -360,8 +360,9 @@ def _wait_gone(pidfd: int | None, timeout: float = 5.0) -> None:
 
 def _unprivileged_uid() -> int | None:
     """The uid the code runs as where the trainer is root: 65534 (nobody), if that user can
-    reach the Python installation (every directory above it searchable by others); else
-    None (the user namespace then maps root to root, without capabilities; logged once)."""
+    reach the Python installation and the temporary root (every directory above them
+    searchable by others); else None (the user namespace then maps root to root, without
+    capabilities; logged once)."""
     if os.geteuid() != 0:
         return None
     return NOBODY if _others_can_reach(_python_dirs()) else _warn_root_once()
@@ -369,7 +370,7 @@ def _unprivileged_uid() -> int | None:
 
 def _python_dirs() -> set[str]:
     return {sys.base_prefix, sys.base_exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
-            os.path.dirname(os.__file__), str(CHILD.parent)}
+            os.path.dirname(os.__file__), str(CHILD.parent), tempfile.gettempdir()}
 
 
 def _others_can_reach(paths) -> bool:
@@ -393,10 +394,10 @@ _ROOT_WARNED: list = []
 def _warn_root_once() -> None:
     if not _ROOT_WARNED:
         _ROOT_WARNED.append(True)
-        log.warning("sandbox: the trainer is root and user %d cannot reach the Python installation (%s); tool "
-                    "code runs as root mapped to root, without capabilities (the seccomp filter refuses the "
-                    "metadata calls). Install Python where others can read it to run tool code as nobody.",
-                    NOBODY, sys.base_prefix)
+        log.warning("sandbox: the trainer is root and user %d cannot reach the Python installation (%s) or the "
+                    "temporary root (%s); tool code runs as root mapped to root, without capabilities (the "
+                    "seccomp filter refuses the metadata calls). Install Python, and point TMPDIR, where others "
+                    "can read to run tool code as nobody.", NOBODY, sys.base_prefix, tempfile.gettempdir())
     return None
 
 

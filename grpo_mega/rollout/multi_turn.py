@@ -22,6 +22,11 @@ for every active episode of this engine replica. The environments live on the
 replica's first rank only (``share``): its results (plain JSON-able messages and
 numbers) are broadcast to the replica's other ranks, which then append the very same
 ids, so sandboxed tools run once and a tool's timing cannot make ranks disagree.
+Meanwhile the other ranks wait in a collective under its timeout, so one turn's
+environment steps run in threads, ``EpisodeLimits.env_workers`` at once, within a wall
+budget (``env_budget_seconds``) set below that timeout; past the budget the turn fails
+with :class:`EnvBudgetExceeded`, naming the flags, instead of the collective timing out
+(one after the other, 128 tool calls of 5 s each had outlasted a 10-minute timeout).
 
 The token-exact invariant is checked for every episode (``codec.check``); problems are
 counted in ``episode_info["token_mismatch"]`` (a metric) and never silently trained on
@@ -31,13 +36,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from grpo_mega.envs.types import Environment, Message
 from grpo_mega.rollout.types import RolloutBatch, SamplingConfig
 
-__all__ = ["EpisodeLimits", "TurnCodec", "run_episodes", "TURN_SEED_STRIDE"]
+__all__ = ["EpisodeLimits", "EnvBudgetExceeded", "TurnCodec", "run_episodes", "TURN_SEED_STRIDE"]
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +62,25 @@ class EpisodeLimits:
     """Tokens after the first prompt (the model's and the environment's together)."""
     max_model_len: int = 1024
     """The engine's context: first prompt + everything after it."""
+    env_workers: int = 1
+    """Environment steps of one turn run at once, in threads (``env.tool_workers``)."""
+    env_budget_seconds: Optional[float] = None
+    """Wall-clock budget of one turn's environment steps (``env.turn_budget_seconds``);
+    None: unbounded."""
 
     def __post_init__(self) -> None:
+        if self.env_workers < 1:
+            raise ValueError(f"env.tool_workers={self.env_workers} must be >= 1")
+        if self.env_budget_seconds is not None and not self.env_budget_seconds > 0:
+            raise ValueError(f"env.turn_budget_seconds={self.env_budget_seconds} must be > 0")
         if not 1 <= self.max_turns < TURN_SEED_STRIDE:
             raise ValueError(f"env max_turns={self.max_turns} must be in [1, {TURN_SEED_STRIDE})")
         if self.max_tokens < 1:
             raise ValueError(f"env max_tokens={self.max_tokens} must be >= 1")
+
+
+class EnvBudgetExceeded(RuntimeError):
+    """A turn's environment steps outlasted ``env.turn_budget_seconds``."""
 
 
 class TurnCodec(Protocol):
@@ -229,12 +248,7 @@ def _apply_turn(codec: TurnCodec, active: list[_Episode], samples: dict, limits:
         return
 
     def step_all() -> list[dict]:
-        results = []
-        for e in answered:
-            r = envs[e.key].step(e.messages[-1])
-            results.append({"messages": list(r.messages), "reward": float(r.reward), "done": bool(r.done),
-                            "tool_errors": int((r.info or {}).get("tool_errors", 0))})
-        return results
+        return step_envs([(envs[e.key], e.messages[-1]) for e in answered], limits, turn)
 
     for e, r in zip(answered, share(step_all)):
         e.reward += r["reward"]
@@ -250,6 +264,33 @@ def _apply_turn(codec: TurnCodec, active: list[_Episode], samples: dict, limits:
             else:
                 e.messages.extend(r["messages"])
                 e.add("env", delta)
+
+
+def step_envs(work: list[tuple[Environment, Message]], limits: EpisodeLimits, turn: int) -> list[dict]:
+    """``env.step(message)`` for each pair, ``limits.env_workers`` at once (each episode has
+    its own environment, and the sandbox is thread-safe), as plain results in order.
+    Raises :class:`EnvBudgetExceeded` once ``limits.env_budget_seconds`` have passed with
+    steps unfinished (they finish in the background, within their tools' own limits)."""
+
+    def one(env: Environment, message: Message) -> dict:
+        r = env.step(message)
+        return {"messages": list(r.messages), "reward": float(r.reward), "done": bool(r.done),
+                "tool_errors": int((r.info or {}).get("tool_errors", 0))}
+
+    pool = ThreadPoolExecutor(max_workers=max(1, min(limits.env_workers, len(work))), thread_name_prefix="env-step")
+    try:
+        futures = [pool.submit(one, env, message) for env, message in work]
+        _, pending = wait(futures, timeout=limits.env_budget_seconds)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    if pending:
+        raise EnvBudgetExceeded(
+            f"the environment steps of turn {turn} outlasted env.turn_budget_seconds="
+            f"{limits.env_budget_seconds:g}: {len(pending)} of {len(work)} episodes unfinished, "
+            f"{limits.env_workers} at once. Raise --env.tool_workers to run more at once, lower the tools' "
+            "own time limits (the python tool's sandbox.wall_seconds), or raise --env.turn_budget_seconds "
+            "(it must stay below the collective timeout, --parallel.timeout_minutes)")
+    return [f.result() for f in futures]
 
 
 def _to_batch(codec: TurnCodec, episodes: list[_Episode], g: int, seconds: float,

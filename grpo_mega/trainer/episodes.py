@@ -18,7 +18,11 @@ import torch.distributed as dist
 from grpo_mega.distributed.errors import run_on_src
 from grpo_mega.rollout.multi_turn import EpisodeLimits, generate_episodes
 
-__all__ = ["EpisodeSetup", "build_episodes", "play", "episode_stats"]
+__all__ = ["EpisodeSetup", "build_episodes", "check_env_budget", "play", "episode_stats"]
+
+BUDGET_SHARE = 0.8
+"""The largest share of the collective timeout a turn's environment steps may take: the
+rest covers the generate call and the broadcast around them."""
 
 
 class EpisodeSetup:
@@ -28,6 +32,20 @@ class EpisodeSetup:
         self.codec, self.make_env, self.limits = codec, make_env, limits
 
 
+def check_env_budget(cfg) -> None:
+    """``env.tool_workers`` >= 1 and 0 < ``env.turn_budget_seconds`` <= 80% of the collective
+    timeout, else ValueError naming the flags: a turn's tool calls run while every other
+    rank waits in a collective, and must end (or fail with a clear error) before it times out."""
+    e, timeout_s = cfg.env, cfg.parallel.timeout_minutes * 60
+    if not (isinstance(e.tool_workers, int) and e.tool_workers >= 1):
+        raise ValueError(f"env.tool_workers={e.tool_workers!r} must be an integer >= 1 (--env.tool_workers)")
+    if not 0 < e.turn_budget_seconds <= BUDGET_SHARE * timeout_s:
+        raise ValueError(f"env.turn_budget_seconds={e.turn_budget_seconds!r} must be > 0 and at most "
+                         f"{BUDGET_SHARE:.0%} of the collective timeout (parallel.timeout_minutes="
+                         f"{cfg.parallel.timeout_minutes:g}: {BUDGET_SHARE * timeout_s:g} s); lower "
+                         "--env.turn_budget_seconds or raise --parallel.timeout_minutes")
+
+
 def build_episodes(cfg, tokenizer) -> Optional[EpisodeSetup]:
     """None for single-turn runs (``env.name`` unset)."""
     if not cfg.env.name:
@@ -35,10 +53,12 @@ def build_episodes(cfg, tokenizer) -> Optional[EpisodeSetup]:
     from grpo_mega.envs import make_env
     from grpo_mega.rollout.chat_codec import ChatCodec
 
+    check_env_budget(cfg)
     codec = ChatCodec.for_tokenizer(tokenizer, cfg.env.chat_format)
     make_env(cfg.env.name, cfg.env.kwargs).close()  # a bad name or kwarg fails at start-up, on every rank
     limits = EpisodeLimits(max_turns=cfg.env.max_turns, max_tokens=cfg.env.max_tokens,
-                           max_model_len=cfg.rollout.max_model_len)
+                           max_model_len=cfg.rollout.max_model_len, env_workers=cfg.env.tool_workers,
+                           env_budget_seconds=cfg.env.turn_budget_seconds)
     return EpisodeSetup(codec, lambda: make_env(cfg.env.name, cfg.env.kwargs), limits)
 
 

@@ -276,3 +276,30 @@ except OSError:
 print("done")""")
     assert r.stdout == "done\n", r
     assert victim.stat().st_size == 4096
+
+
+_AS_NOBODY = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("sandbox", sys.argv[1])
+sandbox = importlib.util.module_from_spec(spec)
+sys.modules["sandbox"] = sandbox
+spec.loader.exec_module(sandbox)
+print(sandbox.Sandbox().run("import os, fractions; print(os.getuid(), os.getgid(), os.getgroups())").stdout, end="")
+"""
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@needs_sandbox
+@pytest.mark.skipif(os.geteuid() != 0, reason="the uid is dropped only where the trainer is root")
+@pytest.mark.skipif(not os.access(SYSTEM_PYTHON, os.X_OK), reason=f"needs {SYSTEM_PYTHON}")
+def test_sandbox_of_a_root_trainer_runs_code_as_nobody():
+    """Finding 1, the uid: the code ran as uid 0 mapped to the host's root, so any call the
+    filter missed acted as the owner of the trainer's files. Where the Python installation
+    is readable by others (the system Python here; sandbox.py needs only the standard
+    library), a root trainer's code runs as 65534, without supplementary groups."""
+    sandbox_py = REPO / "grpo_mega" / "envs" / "sandbox.py"
+    r = subprocess.run([SYSTEM_PYTHON, "-I", "-c", _AS_NOBODY, str(sandbox_py)], capture_output=True, text=True,
+                       timeout=60, env={"PATH": "/usr/bin:/bin"})  # TMPDIR: /tmp, which others can reach
+    if "cannot reach the Python installation" in r.stderr:
+        pytest.skip(f"{SYSTEM_PYTHON}'s installation or /tmp is not reachable by others here")
+    assert r.stdout == "65534 65534 []\n", r.stdout + r.stderr
