@@ -189,7 +189,7 @@ def test_gateway_caps_connections_and_body_bytes_in_flight(chatml_codec):
         holders[0].sendall(first[-500:])
         assert holders[0].recv(65536).startswith(b"HTTP/1.1 201 ")
         assert exchange(server, post("/episodes", json.dumps({"id": "b"}).encode().ljust(1000)))[0] == 201
-        assert server.httpd.bodies.held == 0
+        assert wait_for(lambda: server.httpd.bodies.held == 0), "a body's bytes were never given back"
         for s in holders:
             s.close()
 
