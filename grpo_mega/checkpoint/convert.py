@@ -46,7 +46,8 @@ import torch.distributed as dist
 
 from grpo_mega.checkpoint.hf_files import (HF_SIDE_FILES, HFReader, _ShardWriter, check_hf_checkpoint,
                                            read_hf_config)
-from grpo_mega.checkpoint.io import (CheckpointError, Progress, _check_out, _ensure_world, read_index,
+from grpo_mega.checkpoint.io import (CheckpointError, Progress, _check_out, _ensure_world, check_finite,
+                                     read_index, weights_only_loads,
                                      _publish_collectively, _save_strategy, _say, _shared_tmp_dir,
                                      release_checkpoint_writer)
 from grpo_mega.config import ModelConfig
@@ -343,14 +344,15 @@ def _write_hf_side_files(tmp: Path, src: Path, cfg: ModelConfig) -> None:
 # =============================================================================== trainer loading
 
 def load_mcore_weights(model, ckpt_dir: str | os.PathLike, ps, model_cfg: Optional[ModelConfig] = None,
-                       allow_unsafe_load: bool = False) -> None:
+                       allow_unsafe_load: bool = False, allow_nonfinite: bool = False) -> None:
     """Load a torch_dist checkpoint into this rank's built model (any TP/PP layout).
 
     Collective over all ranks. Goes through ``model.sharded_state_dict()``, so megatron
     reshards (TP slices, fc1 halves, layer offsets of this stage, vocabulary padding,
     the tied output layer on the last stage). Global shapes are checked against
     ``model_cfg`` (default: the checkpoint's own grpo_mega.json, if any) first.
-    ``allow_unsafe_load``: as in :func:`mcore_to_hf`.
+    ``allow_unsafe_load``: as in :func:`mcore_to_hf`. ``allow_nonfinite``: load NaN or
+    infinite weights (``checkpoint.allow_nonfinite_weights``); refused by default, naming them.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -367,7 +369,10 @@ def load_mcore_weights(model, ckpt_dir: str | os.PathLike, ps, model_cfg: Option
     from grpo_mega.models import sharded_state_dict
     sharded = {k: v for k, v in sharded_state_dict(model, ps).items()
                if not isinstance(v, ShardedObject)}  # _extra_state: nothing to restore for weights
-    loaded = dist_checkpointing.load(sharded, str(ckpt))
+    with weights_only_loads(not allow_unsafe_load):
+        loaded = dist_checkpointing.load(sharded, str(ckpt))
+    if not allow_nonfinite:  # collective, like the load
+        check_finite(loaded, ckpt, device=getattr(ps, "device", None))
     result = model.load_state_dict(loaded, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:

@@ -232,7 +232,8 @@ def build_trainer(argv=None) -> Trainer:
             continue
         if cfg.model.init_checkpoint:
             convert.load_mcore_weights(m, cfg.model.init_checkpoint, ps, cfg.model,
-                                       allow_unsafe_load=cfg.checkpoint.allow_unsafe_load)
+                                       allow_unsafe_load=cfg.checkpoint.allow_unsafe_load,
+                                       allow_nonfinite=cfg.checkpoint.allow_nonfinite_weights)
         else:
             convert.load_hf_weights(m, cfg.model.hf_checkpoint, ps, cfg.model)
 

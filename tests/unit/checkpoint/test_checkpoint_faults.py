@@ -192,6 +192,11 @@ def _faults(rank, world, root, marker):
         out["nan weights"] = ("CheckpointError", str(e), bool(torch.isnan(weight).any()))
     load_checkpoint(nan_dir, model, opt, ps, m, allow_nonfinite=True)
     out["nan weights, allowed"] = ("loaded", "", bool(torch.isnan(weight).any()))
+    try:  # the same checkpoint as model.init_checkpoint
+        convert.load_mcore_weights(model, nan_dir, ps, m)
+        out["nan weights, init checkpoint"] = ("loaded", "", False)
+    except CheckpointError as e:
+        out["nan weights, init checkpoint"] = ("CheckpointError", str(e), False)
     with torch.no_grad():
         weight.copy_(kept)
     # The opt-in does what it says: an older-format file loads with it.
@@ -324,6 +329,8 @@ def test_nonfinite_weights_are_refused_naming_them_and_load_with_the_flag(faults
     assert kind == "CheckpointError" and "embedding.word_embeddings.weight" in msg, (kind, msg)
     assert "--checkpoint.allow_nonfinite_weights=true" in msg, msg
     assert res["nan weights, allowed"] == ("loaded", "", True)
+    kind, msg, _ = res["nan weights, init checkpoint"]
+    assert kind == "CheckpointError" and "embedding.word_embeddings.weight" in msg, (kind, msg)
 
 
 def test_shard_named_outside_the_checkpoint_directory_is_refused(faults):
@@ -332,3 +339,25 @@ def test_shard_named_outside_the_checkpoint_directory_is_refused(faults):
     res, _ = faults
     kind, msg, _ = res["shard outside the directory"]
     assert kind == "CheckpointError" and "outside the checkpoint directory" in msg, (kind, msg)
+
+
+def test_weights_only_is_forced_on_torch_loads_inside_a_checkpoint_load(tmp_path):
+    """Guards against the second line of defence of issue 38 finding 9 being inert: torch
+    and megatron load a checkpoint's object entries with ``weights_only=False``; within
+    ``weights_only_loads`` (around megatron's load) such a call must refuse a pickle that
+    runs code (here one that creates a file), and the setting must not outlive the block."""
+    import os
+
+    from grpo_mega.checkpoint.io import weights_only_loads
+
+    marker = tmp_path / "code_ran"
+    evil = _torch_bytes(MarkerOnLoad(str(marker)))
+    before = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    with weights_only_loads():
+        with pytest.raises(pickle.UnpicklingError):
+            torch.load(io.BytesIO(evil), map_location="cpu", weights_only=False)
+    assert not marker.exists(), "the pickle ran code inside weights_only_loads"
+    assert os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD") == before
+    with weights_only_loads(enabled=False):  # the user's opt-in (allow_unsafe_load) leaves torch as is
+        torch.load(io.BytesIO(evil), map_location="cpu", weights_only=False)
+    assert marker.exists()
