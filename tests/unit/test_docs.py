@@ -14,17 +14,29 @@ import sys
 import pytest
 
 from tests.unit.docs_commands import REPO, check_command
+from tests.unit.docs_browser import (  # noqa: F401  (pytest fixtures and tests: one build)
+    rendered, site_html, test_every_link_inside_the_site_reaches_a_page_and_anchor,
+    test_every_page_loads_every_resource_and_image, test_the_figures_are_drawn_from_the_code_and_real_outputs)
 
 DOCS = REPO / "docs"
 PAGES = sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts)
 
 
-def test_site_builds_with_warnings_as_errors_and_every_link_resolves(tmp_path):
-    """Guards against a broken page: a link to a page or a heading that does not exist (the
-    old README had three), a page left out of every table of contents, bad MyST syntax."""
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory):
+    """One Sphinx build of the site, warnings as errors: ``(completed process, html dir)``;
+    ``test_docs_browser.py``'s checks render the same build (``site`` there)."""
+    out = tmp_path_factory.mktemp("site") / "html"
     r = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-E",
-                        "-b", "html", str(DOCS), str(tmp_path / "html")],
-                       capture_output=True, text=True, timeout=300)
+                        "-b", "html", str(DOCS), str(out)], capture_output=True, text=True, timeout=300)
+    return r, out
+
+
+def test_site_builds_with_warnings_as_errors_and_every_link_resolves(built_site):
+    """Guards against a broken page: a link to a page or a heading that does not exist (the
+    old README had three), a page left out of every table of contents, bad MyST syntax, a
+    figure the build could not draw."""
+    r, _ = built_site
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
 
 
