@@ -16,8 +16,9 @@ code, the config and the flags are trusted. Unless the user passes
   (``weights_only_loads``), so its ``weights_only=False`` calls cannot unpickle objects;
 * reads no file outside the checkpoint directory (the index's shard paths and links out
   are refused; ``latest`` is checked in ``steps``, ``weight_map`` in ``hf_files``);
-* loads no NaN or infinite weight unless ``checkpoint.allow_nonfinite_weights``
-  (``check_finite``, which names the tensors).
+* on resume and for ``model.init_checkpoint``, loads no NaN or infinite weight unless
+  ``checkpoint.allow_nonfinite_weights`` (``check_finite``, which names the tensors); the
+  conversion tool copies values as they are.
 
 Not covered: a process with write access to the checkpoint directory while it is being
 loaded (the checks and the load read the files twice), and flipped bytes inside a tensor's
