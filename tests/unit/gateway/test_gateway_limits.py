@@ -97,10 +97,11 @@ def test_gateway_checks_the_key_before_reading_a_body(chatml_codec):
     was checked: 40 uploads grew the trainer by 602 MiB): a request with a wrong or missing
     key that announces a body but sends only its headers is answered 401 at once (a server
     waiting for the body would time the client out), with no ``100 Continue`` inviting it;
-    a body over ``max_body_bytes`` is 413 and a chunked one 411, all unread: the server's
+    a body over ``max_body_bytes`` is 413, a chunked one 411, and headers over
+    ``max_header_bytes`` 431, all unread: the server's
     count of body bytes read stays 0. With the key, ``Expect: 100-continue`` gets its 100
     only then, and the request is served."""
-    cfg = GatewayConfig(api_key=KEY, read_timeout_s=10, max_body_bytes=2**20)
+    cfg = GatewayConfig(api_key=KEY, read_timeout_s=10, max_body_bytes=2**20, max_header_bytes=4096)
     with Gateway(NoEngine(), chatml_codec, config=cfg).serve() as server:
         head = "POST /episodes HTTP/1.1\r\nHost: x\r\n{}Content-Length: {}\r\n{}\r\n"
         for what, auth, length, extra, status in [
@@ -113,6 +114,9 @@ def test_gateway_checks_the_key_before_reading_a_body(chatml_codec):
             assert headers.get("connection") == "close", f"{what}: the unread body would be read as a request"
         chunked = f"POST /episodes HTTP/1.1\r\nHost: x\r\n{AUTH}Transfer-Encoding: chunked\r\n\r\n".encode()
         assert exchange(server, chunked, timeout=2)[0] == 411
+        # 4 lines of 1.3 KB: within the standard library's own limits (100 lines of 64 KiB), over ours.
+        padded = f"GET /health HTTP/1.1\r\nHost: x\r\n{AUTH}".encode() + (b"X-Pad: " + b"a" * 1300 + b"\r\n") * 4
+        assert exchange(server, padded + b"\r\n", timeout=2)[0] == 431
         assert server.httpd.stats["body_bytes_read"] == 0, "a refused body was read"
         with socket.create_connection((server.host, server.port), timeout=2) as sock:
             body = json.dumps({"id": "continued"}).encode()
