@@ -1,29 +1,48 @@
 """Run model-written Python in a confined child process; what comes back is text.
 
 :meth:`Sandbox.run` starts a fresh ``python -I -S`` (``sandbox_child.py``, which confines
-itself before it runs the code: namespaces, Landlock, rlimits; its docstring has the
-order and the reasons), gives it the code on stdin and reads its stdout and stderr, and
-returns a :class:`SandboxResult`, whose :meth:`~SandboxResult.text` is what the model
-reads. Nothing raises here: a crash, a hang, a loop, a memory bomb, an output flood, a
-network attempt each ends as a short message in that text. A sandbox that cannot be
-*built* (no user namespaces, no Landlock) runs nothing (fail closed);
-:meth:`Sandbox.check`, which the environments call when they are made, turns that into
-:class:`SandboxUnavailable` at start-up, naming the flag that opts out.
+itself before it runs the code: namespaces, a tmpfs scratch, Landlock, seccomp, rlimits;
+its docstring has the order and the reasons), gives it the code on stdin and reads its
+stdout and stderr, and returns a :class:`SandboxResult`, whose
+:meth:`~SandboxResult.text` is what the model reads. Nothing raises here: a crash, a
+hang, a loop, a memory bomb, an output flood, a network attempt, a 1,200-deep directory
+tree each ends as a short message in that text. A sandbox that cannot be *built* (no
+user namespaces, no Landlock, no syscall table for the machine) runs nothing (fail
+closed); :meth:`Sandbox.check`, which the environments call when they are made, turns
+that into :class:`SandboxUnavailable` at start-up, naming the kernel feature and the flag
+that opts out.
+
+What it guarantees against hostile code (docs/concepts/security.md has the whole list and
+the kernels): no change to any host file, contents or metadata (Landlock for contents;
+the seccomp filter for chmod, chown, utime, xattrs, which Landlock does not cover; uid
+65534 where the trainer is root and the Python installation is readable by others); no
+reads outside the scratch, the Python installation, the system library directories and
+``read_roots``; no network, no Unix sockets, no io_uring; no process of the call left
+when :meth:`Sandbox.run` returns, nor after the trainer is killed (``setsid`` refused,
+the namespace's PID 1 dies with the relay, the relay with the trainer's thread, and
+``run`` waits for PID 1's end); no bytes left on the host (the scratch is a tmpfs of
+``scratch_mb`` in the call's own mount namespace; the empty host directory under it is
+removed by :func:`remove_tree`, which never raises).
 
 Limits (:class:`SandboxConfig`): CPU seconds (``RLIMIT_CPU``, SIGKILL), address space
 (``RLIMIT_AS``: an allocation past it raises ``MemoryError`` in the code), file size
-(``RLIMIT_FSIZE``), no new processes (seccomp; threads allowed, ``RLIMIT_NPROC``), open
-files, a wall-clock deadline (the process group is killed; the PID namespace takes
-every descendant with it) and an output budget (stdout and stderr together; past it
-the child is killed and the text says it was truncated). No network (a namespace of its
-own), no reads or writes outside the Python installation and a fresh temporary
-directory (Landlock) that is the child's cwd, ``HOME`` and ``TMPDIR`` and is removed
-afterwards; an environment of five fixed variables, nothing inherited; stdin
-``/dev/null``. Code and results cross as text (stdin, pipes, a JSON status line), never
-pickle.
+(``RLIMIT_FSIZE``) and scratch size (the tmpfs), no new processes (seccomp; threads
+allowed, ``RLIMIT_NPROC``), open files, a wall-clock deadline (the process group is
+killed; the PID namespace takes every descendant with it) and an output budget (stdout
+and stderr together; past it the child is killed and the text says it was truncated).
+An environment of five fixed variables, nothing inherited; stdin ``/dev/null``. Code and
+results cross as text (stdin, pipes, JSON status lines), never pickle.
 
-Cost: about 25 ms per call on the 2-core CI machine, of which 6 ms is the interpreter's
-start and 12 ms the child's imports (docs/guides/environments.md has the measurement).
+Why hand-written namespaces, Landlock and seccomp rather than bubblewrap: bubblewrap
+builds the same namespaces and mount view, but it is not installed on the CI and
+development machines nor on many HPC nodes, it leaves the seccomp policy (the part that
+refuses metadata changes, Unix sockets and io_uring) to its caller as a compiled filter
+anyway, and it is one more privileged binary to trust. This needs only the standard
+library and a kernel feature set checked at start-up.
+
+Cost: about 25 ms per call on the 2-core CI machine before issue 38 (6 ms the
+interpreter's start, 12 ms the child's imports); its layers add about 4 ms of CPU
+(``benchmarks/bench_sandbox.py``; docs/guides/environments.md has the measurement).
 """
 from __future__ import annotations
 
