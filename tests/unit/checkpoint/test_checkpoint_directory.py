@@ -168,3 +168,35 @@ def test_one_checkpoint_directory_is_locked_whichever_run_directory_holds_it(tmp
     same = lock_run(tmp_path / "run_c", tmp_path / "run_c")  # one directory, locked once
     assert len(same) == 1
     same[0].release()
+
+
+def test_trainer_claim_under_resume_never_moves_the_old_steps_aside_and_locks_both_directories(tmp_path):
+    """Guards against the trainer's start-up (``_claim_run``, rank 0 of a 1-rank world: no
+    collective) not moving another run's steps aside under ``checkpoint.resume=never``
+    (issue 38 finding 7: the new saves then replaced and rotated them) or not locking the
+    checkpoint directory inside the run directory (finding 10)."""
+    from types import SimpleNamespace
+
+    from grpo_mega.checkpoint.run_lock import RunDirectoryLocked, lock_run
+    from grpo_mega.trainer import trainer
+
+    run, ckpt = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    for s in (3, 4):
+        _save(ckpt, s, "old")
+    ps = SimpleNamespace(rank=0, world_size=1)
+    said: list[str] = []
+    for mode in ("auto", "never"):
+        cfg = SimpleNamespace(logging=SimpleNamespace(run_dir=str(run)), checkpoint=SimpleNamespace(resume=mode))
+        locks, found = trainer._claim_run(cfg, ps, ckpt, said.append)
+        try:
+            with pytest.raises(RunDirectoryLocked):
+                lock_run(tmp_path / "other_run", ckpt)
+        finally:
+            for lk in locks:
+                lk.release()
+        if mode == "auto":
+            assert found == ckpt / "step_00000004" and _on_disk(ckpt) == {"step_00000003": "old", "step_00000004": "old"}
+    assert found is None and _on_disk(ckpt) == {} and not (ckpt / "latest").exists()
+    (moved,) = ckpt.glob("previous_*")
+    assert _on_disk(moved) == {"step_00000003": "old", "step_00000004": "old"}
+    assert _latest_run(moved) == ("step_00000004", "old:4") and str(moved) in said[-1]
