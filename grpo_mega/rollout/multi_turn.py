@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
@@ -267,30 +268,42 @@ def _apply_turn(codec: TurnCodec, active: list[_Episode], samples: dict, limits:
 
 
 def step_envs(work: list[tuple[Environment, Message]], limits: EpisodeLimits, turn: int) -> list[dict]:
-    """``env.step(message)`` for each pair, ``limits.env_workers`` at once (each episode has
-    its own environment, and the sandbox is thread-safe), as plain results in order.
-    Raises :class:`EnvBudgetExceeded` once ``limits.env_budget_seconds`` have passed with
-    steps unfinished (they finish in the background, within their tools' own limits)."""
+    """``env.step(message)`` for each pair, as plain results in order. Steps answering tool
+    calls run in threads, ``limits.env_workers`` at once (each episode has its own
+    environment, and the sandbox is thread-safe); the others (a final answer, scored by the
+    rewards) run on the calling thread meanwhile, because a reward's timeout may need the
+    main thread (math-verify's ``signal.alarm``). Raises :class:`EnvBudgetExceeded` once
+    ``limits.env_budget_seconds`` have passed with steps unfinished (those in threads
+    finish in the background, within their tools' own limits)."""
 
     def one(env: Environment, message: Message) -> dict:
         r = env.step(message)
         return {"messages": list(r.messages), "reward": float(r.reward), "done": bool(r.done),
                 "tool_errors": int((r.info or {}).get("tool_errors", 0))}
 
-    pool = ThreadPoolExecutor(max_workers=max(1, min(limits.env_workers, len(work))), thread_name_prefix="env-step")
+    budget = limits.env_budget_seconds
+    deadline = None if budget is None else time.monotonic() + budget
+    calls = [i for i, (_, message) in enumerate(work) if message.get("tool_calls")]
+    results: dict[int, Any] = {}
+    pool = ThreadPoolExecutor(max_workers=max(1, min(limits.env_workers, len(calls))), thread_name_prefix="env-step")
     try:
-        futures = [pool.submit(one, env, message) for env, message in work]
-        _, pending = wait(futures, timeout=limits.env_budget_seconds)
+        futures = {i: pool.submit(one, *work[i]) for i in calls}
+        for i, pair in enumerate(work):
+            if i not in futures:
+                results[i] = one(*pair)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        _, pending = wait(futures.values(), timeout=left)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     if pending:
         raise EnvBudgetExceeded(
             f"the environment steps of turn {turn} outlasted env.turn_budget_seconds="
-            f"{limits.env_budget_seconds:g}: {len(pending)} of {len(work)} episodes unfinished, "
+            f"{budget:g}: {len(pending)} of {len(work)} episodes unfinished, "
             f"{limits.env_workers} at once. Raise --env.tool_workers to run more at once, lower the tools' "
             "own time limits (the python tool's sandbox.wall_seconds), or raise --env.turn_budget_seconds "
             "(it must stay below the collective timeout, --parallel.timeout_minutes)")
-    return [f.result() for f in futures]
+    results.update({i: f.result() for i, f in futures.items()})
+    return [results[i] for i in range(len(work))]
 
 
 def _to_batch(codec: TurnCodec, episodes: list[_Episode], g: int, seconds: float,

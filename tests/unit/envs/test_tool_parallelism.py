@@ -9,12 +9,13 @@ model is needed.
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
 from grpo_mega.config import Config
-from grpo_mega.envs import PythonToolEnv
+from grpo_mega.envs import PythonToolEnv, ToolEnv
 from grpo_mega.rollout.multi_turn import EnvBudgetExceeded, EpisodeLimits, run_episodes
 from grpo_mega.rollout.types import RolloutBatch, SamplingConfig
 from grpo_mega.trainer.episodes import check_env_budget
@@ -36,6 +37,8 @@ class ToolCallingCodec:
         return [4]
 
     def parse(self, ids):
+        if self.code is None:  # a final answer
+            return {"role": "assistant", "content": "The answer is 1."}
         return {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c0", "type": "function", "function": {"name": "python", "arguments": {"code": self.code}}}]}
 
@@ -49,9 +52,9 @@ def generate(prompts, sampling, *, step, keys, budgets):
                         finish_reasons=["stop"] * n, prompt_index=list(range(n)), group_size=1)
 
 
-def play(episodes: int, code: str, **limits):
+def play(episodes: int, code, make_env=PythonToolEnv, **limits):
     rows = [{"prompt": f"q{i}", "answer": "1"} for i in range(episodes)]
-    return run_episodes(generate, ToolCallingCodec(code), lambda: PythonToolEnv(), rows, SamplingConfig(n=1),
+    return run_episodes(generate, ToolCallingCodec(code), make_env, rows, SamplingConfig(n=1),
                         EpisodeLimits(max_turns=2, **limits), step=0)
 
 
@@ -76,6 +79,27 @@ def test_tool_calls_past_the_budget_fail_at_the_budget_naming_the_flags():
     with pytest.raises(EnvBudgetExceeded, match=r"env\.turn_budget_seconds=0\.5.*--env\.tool_workers"):
         play(4, "import time; time.sleep(2)", env_workers=1, env_budget_seconds=0.5)
     assert time.monotonic() - start < 1.5
+
+
+class ThreadRecordingEnv(ToolEnv):
+    """The base tool environment (math reward), noting the thread each score runs on."""
+
+    threads: list = []
+
+    def score(self, final: str) -> float:
+        self.threads.append(threading.current_thread() is threading.main_thread())
+        return super().score(final)
+
+
+def test_final_answers_are_scored_on_the_calling_thread():
+    """Finding 6, the rewards: scoring a final answer in a worker thread would lose
+    math-verify's timeout (``signal.alarm`` works on the main thread only), so a
+    pathological answer could hold the turn. Steps without tool calls stay on the calling
+    thread; only tool calls go to the workers."""
+    ThreadRecordingEnv.threads = []
+    batch = play(4, None, make_env=ThreadRecordingEnv, env_workers=4, env_budget_seconds=30.0)
+    assert ThreadRecordingEnv.threads == [True] * 4
+    assert batch.episode_rewards == [1.0] * 4
 
 
 def test_turn_budget_must_stay_below_the_collective_timeout():
