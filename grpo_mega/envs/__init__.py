@@ -6,8 +6,8 @@ are produced or trained on: the protocol (``types``: messages, :class:`Tool`,
 ``close()``), the registry (``registry``: :func:`register_env`, :func:`resolve_env` for
 a registered name or ``"package.module:Class"``, :func:`make_env` from config kwargs),
 the sandbox that runs model-written code (``sandbox``: a separate process without
-network, writing only to a temporary directory, under CPU, memory, output and
-wall-clock limits), and the built-in environments: ``calculator`` (safe arithmetic) and
+network or host sockets, writing only to a private tmpfs scratch, unable to change any
+host file or outlive its call, under CPU, memory, output and wall-clock limits), and the built-in environments: ``calculator`` (safe arithmetic) and
 ``python_tool`` (sandboxed Python), both on the :class:`ToolEnv` base (``tool_env``:
 tool dispatch, turn limit, a final answer scored by ``grpo_mega.rewards``). Rendering
 messages to tokens is ``grpo_mega.data.chat``'s job, running episodes the rollout's.
