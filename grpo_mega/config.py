@@ -51,11 +51,13 @@ class RolloutConfig:
     n: int = 8
     """Group size G: completions sampled per prompt."""
     temperature: float = 1.0
-    """Sampling temperature (logprobs are taken from the processed distribution when != 1)."""
+    """Sampling temperature (logprobs are taken from the processed distribution when != 1); > 0:
+    at 0 a group's completions are identical and nothing is learnt."""
     top_p: float = 1.0
     """Nucleus sampling threshold."""
     top_k: int = -1
-    """Top-k sampling (-1 disables)."""
+    """Top-k sampling (-1 disables). With ``reward.weights`` the only number of the config that
+    may be negative; every float field must be finite."""
     max_new_tokens: int = 16
     """Longest response."""
     stop: list[str] = field(default_factory=list)
@@ -100,7 +102,8 @@ class RewardConfig:
     functions: list[str] = field(default_factory=lambda: ["math"])
     """Reward functions by registry name or ``module:function``; scores are summed."""
     weights: list[float] = field(default_factory=list)
-    """Per-function weights (default 1.0 each)."""
+    """Per-function weights (default 1.0 each); a negative weight makes a penalty. Each function's
+    value and the weighted total must lie within |r| <= 1e6 (``grpo_mega.rewards.REWARD_BOUND``)."""
     timeout_seconds: float = 10.0
     """Per-sample scoring timeout."""
     on_error: str = "stop"
@@ -219,7 +222,8 @@ class AlgorithmConfig:
     steps: int = 50
     """GRPO steps to run."""
     time_limit_minutes: float = 0.0
-    """Stop early (checkpoint, evaluate, summarise) once this much wall time has passed; 0: no limit."""
+    """Stop early (checkpoint, evaluate, summarise) once this much wall time has passed; 0: no
+    limit (a negative one is refused)."""
 
 
 @dataclass

@@ -217,7 +217,8 @@ def sections_help(config_cls: type) -> str:
     """``--help`` text: every field of every section of ``config_cls`` with its type,
     default and docstring."""
     lines = ["Config fields (override with --section.key=value; types, defaults and allowed values:",
-             "docs/reference/config.md):"]
+             "docs/reference/config.md). Every float must be finite and no number negative, unless",
+             "its field says so:"]
     for sec in dataclasses.fields(config_cls):
         cls = sec.default_factory().__class__
         docs, types = field_docs(cls), typing.get_type_hints(cls)
