@@ -64,6 +64,16 @@ def _out_of_bounds(value: float) -> str:
     return ""
 
 
+def _largest_total(specs: Sequence[RewardSpec], values: Sequence) -> float:
+    """A sample's weighted total, or, with step scores (all terms then return them, on the
+    same steps), a step's weighted total when it lies further from 0: each is a reward the
+    advantages read."""
+    totals = [sum(s.weight * (v.value if isinstance(v, StepScores) else v) for s, v in zip(specs, values))]
+    if values and isinstance(values[0], StepScores):
+        totals += [sum(s.weight * v.scores[j] for s, v in zip(specs, values)) for j in range(len(values[0].scores))]
+    return max(totals, key=abs)
+
+
 @dataclass
 class RewardSample:
     prompt: str
@@ -356,8 +366,7 @@ class RewardScorer:
         for i in range(n):
             outcome = outcomes[i]
             if outcome[0] == "ok":
-                total = sum(s.weight * (v.value if isinstance(v, StepScores) else v)
-                            for s, v in zip(self.specs, outcome[1]))
+                total = _largest_total(self.specs, outcome[1])
                 if _out_of_bounds(total):  # each term was within bounds; their weights were not
                     names = "+".join(f"{s.weight:g}*{s.name}" for s in self.specs)
                     outcome = ("error", None, f"weighted total {names} {_out_of_bounds(total)} "

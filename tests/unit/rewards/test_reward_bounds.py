@@ -22,6 +22,11 @@ def huge_step_reward(prompt, completion, reference, metadata):
     return StepScores([1.0, 1e300 if completion == "big" else 0.0], [1, len(completion)])
 
 
+def opposed_steps_reward(prompt, completion, reference, metadata):
+    """Two steps at +-REWARD_BOUND: a mean of 0, each step at the bound."""
+    return StepScores([REWARD_BOUND, -REWARD_BOUND], [1, len(completion)])
+
+
 def _samples(n: int, big: int) -> list[RewardSample]:
     return [RewardSample("p", "big" if i == big else "ok") for i in range(n)]
 
@@ -43,7 +48,8 @@ def test_a_reward_beyond_the_bound_stops_naming_prompt_sample_and_function(value
 
 def test_bound_applies_to_step_scores_and_the_weighted_total():
     """Guards against the bound being checked on plain floats only: a step score of 1e300
-    (process supervision), or terms within the bound whose weights push the total past it."""
+    (process supervision), or terms within the bound whose weights push the total (or a
+    step's total) past it."""
     with RewardScorer([STEPS], num_workers=0, group_size=2) as scorer:
         with pytest.raises(RewardError, match=rf"prompt 0 sample 1 .*reward {STEPS!r}"):
             scorer.score(_samples(2, big=1))
@@ -52,3 +58,7 @@ def test_bound_applies_to_step_scores_and_the_weighted_total():
         result = scorer.score(_samples(3, big=2))
     assert result.scores == [10.0, 10.0, 0.0] and len(result.failures) == 1
     assert "weighted total" in result.failures[0].message and "--reward.weights" in result.failures[0].message
+    # step scores: a mean of 0 within the bound, but weighted steps of +-2e6 past it
+    steps = {"name": "tests.unit.rewards.test_reward_bounds:opposed_steps_reward", "weight": 2.0}
+    with RewardScorer([steps], num_workers=0, on_error="zero") as scorer:
+        assert "2e+06" in scorer.score(_samples(1, big=-1)).failures[0].message
