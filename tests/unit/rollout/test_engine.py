@@ -24,6 +24,7 @@ import torch
 from grpo_mega.rollout import EngineConfig, RolloutBatch, RolloutEngine, SamplingConfig, logprobs_mode_for
 from grpo_mega.rollout.engine import _request_seed
 from tests.compare import max_abs_diff, max_abs_diff_all, worst
+from tests.distributed import run_ranks
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = [pytest.mark.vllm,
@@ -55,7 +56,25 @@ def artifacts(tmp_path_factory):
     for name, family, tok, seed in [("qwen2_a", "qwen2", tq, 0), ("qwen2_b", "qwen2", tq, 1),
                                     ("llama_a", "llama", tl, 0), ("llama_b", "llama", tl, 1)]:
         art[name] = build_tiny_hf_checkpoint(root / name, family, tokenizer_dir=tok, seed=seed, init_std=0.2)
+    # the engine below serves qwen2_a as the trainer exports it (checkpoint.export_hf): the
+    # HF checkpoint loaded into megatron, then written back out by the export
+    art["qwen2_a_export"] = run_ranks(1, _export_rank, str(art["qwen2_a"]), str(root / "qwen2_a_export"),
+                                      timeout=300)[0]
     return {k: str(v) for k, v in art.items()}
+
+
+def _export_rank(rank, world, src, out):
+    from grpo_mega.bridge import export_hf_weights
+    from grpo_mega.checkpoint import convert
+    from grpo_mega.checkpoint.export_hf import write_hf_dir
+    from grpo_mega.distributed.state import init_parallel
+    from grpo_mega.models import build_model
+
+    cfg = convert.read_model_config(src)
+    ps = init_parallel(1, 1)
+    model = build_model(cfg, ps)
+    convert.load_hf_weights(model, src, ps, cfg)
+    return str(write_hf_dir(export_hf_weights(model, cfg, ps), out, src, cfg, step=0, progress=None))
 
 
 def prompt_ids(tok_dir: str) -> list[list[int]]:
@@ -204,7 +223,7 @@ ENGINE_SAMPLING = SamplingConfig(n=4, temperature=0.7, max_new_tokens=16, seed=1
 def engine(artifacts):
     if not HAVE_VLLM:
         pytest.skip("vllm is not installed")
-    eng = RolloutEngine(EngineConfig(artifacts["qwen2_a"], max_model_len=256), ENGINE_SAMPLING)
+    eng = RolloutEngine(EngineConfig(artifacts["qwen2_a_export"], max_model_len=256), ENGINE_SAMPLING)
     yield eng
     eng.shutdown()
 
@@ -217,6 +236,17 @@ def prompts(artifacts):
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed")
 class TestInProcessEngine:
+    def test_engine_serves_the_trainers_hf_export(self, engine, prompts, artifacts):
+        """Guards against an end-of-training export (``checkpoint.export_hf``) that vLLM
+        cannot serve as the trained model: tensor names vLLM's loader does not map, a missing
+        tokenizer file, or weights changed on the way out. The module's engine runs the
+        export of ``qwen2_a`` (loaded into megatron, written back by the export); its sampled
+        log-probs must be transformers' on the original checkpoint, token for token. (The
+        export against megatron's own logits: tests/unit/bridge/test_export.py.)"""
+        assert (Path(artifacts["qwen2_a_export"]) / "grpo_mega_export.json").is_file()
+        batch = engine.generate(prompts)
+        assert hf_logprob_error(artifacts["qwen2_a"], batch, ENGINE_SAMPLING.temperature) <= TOL
+
     def test_returns_n_samples_per_prompt_group_major(self, engine, prompts):
         batch = engine.generate(prompts, step=0)
         assert len(batch) == 3 * 4 and batch.group_size == 4
