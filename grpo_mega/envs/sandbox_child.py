@@ -23,13 +23,13 @@ The order matters, each step needing what the one before left:
    (Landlock and seccomp need it); Landlock (writes only beneath the scratch, reads and
    executes only beneath it, the Python installation and the system library
    directories, no TCP connect or bind, no signals or abstract sockets outside); no
-   capabilities; the seccomp filter (:func:`seccomp_filter`: no metadata changes, no
-   sockets but IPv4/IPv6 ones, no io_uring, no new session or process group, no
+   capabilities; ``PR_SET_PDEATHSIG(SIGKILL)``, so PID 1, and with it the whole
+   namespace, dies when the relay does (the parent kills the relay's process group at
+   the end of every call; the relay dies with the trainer); the seccomp filter
+   (:func:`seccomp_filter`: no metadata changes, no sockets but IPv4/IPv6 ones, no
+   io_uring, no new session or process group, no clearing the parent-death signal, no
    mount/ptrace/keyctl/bpf/perf/namespace calls, no new processes unless allowed); the
    rlimits (``RLIMIT_NPROC`` after ``unshare``: the kernel counts it per user namespace);
-   last ``PR_SET_PDEATHSIG(SIGKILL)``, so PID 1, and with it the whole namespace, dies
-   when the relay does (the parent kills the relay's process group at the end of every
-   call, whatever the code did to its own session or process group);
 6. report ``{"ok": true}`` (or the failure) on the status pipe and close it, so the
    parent tells a sandbox that could not be built (fail closed) from code that exits
    with any status it likes; then run the code, echoing a final expression's value like
@@ -149,7 +149,7 @@ _X86 = {"fchmod": 91, "fchmodat": 268, "fchown": 93, "fchownat": 260, "utimensat
         "bpf": 321, "perf_event_open": 298, "userfaultfd": 323, "process_vm_readv": 310,
         "process_vm_writev": 311, "name_to_handle_at": 303, "open_by_handle_at": 304, "fanotify_init": 300,
         "kcmp": 312, "quotactl": 179, "acct": 163, "syslog": 103, "mknodat": 259, "truncate": 76,
-        "socket": 41, "ioctl": 16, "fcntl": 72, "clone": 56, **_X86_ONLY}
+        "socket": 41, "ioctl": 16, "fcntl": 72, "clone": 56, "prctl": 157, **_X86_ONLY}
 # aarch64 uses the generic table (include/uapi/asm-generic/unistd.h): no chmod, fork, ...
 _GENERIC = {"fchmod": 52, "fchmodat": 53, "fchown": 55, "fchownat": 54, "utimensat": 88, "setxattr": 5,
             "lsetxattr": 6, "fsetxattr": 7, "removexattr": 14, "lremovexattr": 15, "fremovexattr": 16,
@@ -158,7 +158,7 @@ _GENERIC = {"fchmod": 52, "fchmodat": 53, "fchown": 55, "fchownat": 54, "utimens
             "bpf": 280, "perf_event_open": 241, "userfaultfd": 282, "process_vm_readv": 270,
             "process_vm_writev": 271, "name_to_handle_at": 264, "open_by_handle_at": 265,
             "fanotify_init": 262, "kcmp": 272, "quotactl": 60, "acct": 89, "syslog": 116, "mknodat": 33,
-            "truncate": 45, "socket": 198, "ioctl": 29, "fcntl": 25, "clone": 220}
+            "truncate": 45, "socket": 198, "ioctl": 29, "fcntl": 25, "clone": 220, "prctl": 167}
 # The same number on every architecture (the unified table, Linux >= 5.1).
 _UNIFIED = {"io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427, "open_tree": 428,
             "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433,
@@ -204,8 +204,8 @@ def seccomp_filter(allow_subprocesses: bool, deny_truncate: bool) -> list:
     ``_DENY`` (and ``truncate`` where ``deny_truncate``) fail with EPERM; ``socket`` for any
     family but AF_INET/AF_INET6 fails with EPERM (Unix sockets would reach a host daemon's
     socket by path, even in a directory the code cannot list; ``socketpair`` stays);
-    inode-flag ioctls and ``F_SETLEASE`` fail with EPERM; ``clone`` with a namespace flag
-    fails with EPERM. Unless ``allow_subprocesses``: ``fork``, ``vfork`` and a ``clone``
+    inode-flag ioctls, ``F_SETLEASE`` and ``prctl(PR_SET_PDEATHSIG)`` fail with EPERM;
+    ``clone`` with a namespace flag fails with EPERM. Unless ``allow_subprocesses``: ``fork``, ``vfork`` and a ``clone``
     without ``CLONE_THREAD`` fail with EAGAIN (what a process limit gives) and ``clone3``
     with ENOSYS (its flags sit in memory a filter cannot read; glibc then falls back to
     ``clone`` for threads). Threads stay possible."""
@@ -228,6 +228,8 @@ def seccomp_filter(allow_subprocesses: bool, deny_truncate: bool) -> list:
     prog += _arg_block(nrs["socket"], 0, [(JEQ, AF_INET, RET_ALLOW), (JEQ, AF_INET6, RET_ALLOW)], eperm)
     prog += _arg_block(nrs["ioctl"], 1, [(JEQ, k, eperm) for k in SET_INODE_IOCTLS], RET_ALLOW)
     prog += _arg_block(nrs["fcntl"], 1, [(JEQ, F_SETLEASE, eperm)], RET_ALLOW)
+    # PID 1 must keep its parent-death signal: cleared, it would outlive a killed trainer.
+    prog += _arg_block(nrs["prctl"], 0, [(JEQ, PR_SET_PDEATHSIG, eperm)], RET_ALLOW)
     clone_rules = [(JSET, CLONE_NEW_ANY, eperm)]
     if not allow_subprocesses:
         clone_rules.append((JSET, CLONE_THREAD, RET_ALLOW))
@@ -328,8 +330,9 @@ def run_code(code: str, echo: bool) -> None:
         sys.exit(1)
 
 
-def confine(s: dict, namespaces: bool, warnings: list) -> None:
-    """Step 5 of the module docstring, in PID 1 (or the only process, without namespaces)."""
+def confine(s: dict, namespaces: bool, warnings: list, alive_r: "int | None") -> None:
+    """Step 5 of the module docstring, in PID 1 (or the only process, without namespaces;
+    ``alive_r``: the pipe whose EOF says the relay is gone)."""
     if namespaces:
         mount_scratch(s["write_root"], s["scratch_bytes"])
     # no_new_privs before Landlock and seccomp: they need it (or CAP_SYS_ADMIN, which the
@@ -344,6 +347,14 @@ def confine(s: dict, namespaces: bool, warnings: list) -> None:
         abi = 0
         warnings.append(f"no Landlock ({e}): the code may read and write wherever its uid may")
     drop_capabilities()
+    if alive_r is not None:
+        # After the last change of credentials (one that changes the uid clears it) and
+        # before the filter (which refuses it): PID 1 dies with the relay. A relay already
+        # gone (killed before this line) shows as EOF on the pipe.
+        _check(libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG) in PID 1")
+        if select.select([alive_r], [], [], 0)[0]:
+            os._exit(137)
+        os.close(alive_r)
     install_seccomp(seccomp_filter(s["allow_subprocesses"], deny_truncate=abi < 3))
     set_limits(s)
 
@@ -396,14 +407,7 @@ def main() -> None:
             os._exit(os.waitstatus_to_exitcode(st) if os.WIFEXITED(st) else 128 + os.WTERMSIG(st))
         os.close(alive_w)
     try:
-        confine(s, namespaces, warnings)
-        if namespaces:
-            # Last, because a change of credentials clears it: PID 1 dies with the relay. A
-            # relay already gone (killed before this line) shows as EOF on the pipe.
-            _check(libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG) in PID 1")
-            if select.select([alive_r], [], [], 0)[0]:
-                os._exit(137)
-            os.close(alive_r)
+        confine(s, namespaces, warnings, alive_r if namespaces else None)
     except (SetupError, OSError) as e:
         report(ok=False, error=str(e))
         os._exit(1)
