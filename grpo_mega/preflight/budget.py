@@ -10,7 +10,8 @@ layout launch, and will it fit?" before a multi-node job queues for hours:
 
 Options: ``--world-size N`` (default: tp x pp x dp from the config, dp=1 when it is 0),
 ``--gpus-per-node N`` (8), ``--gpu-memory-gib X`` (80, an H100/A100-80GB),
-``--validate-only`` (validate, print one line, exit 0 or 2), ``--require-paths`` (the files a
+``--validate-only`` (validate, print two lines: the shape validated and where it came
+from, then the layout; exit 0 or 2), ``--require-paths`` (the files a
 training run reads: the data paths set and present, tokenizer files in ``model.hf_checkpoint``;
 ``launch/torchrun.sh`` adds it before it starts the trainer),
 ``--write-budget`` (rewrite

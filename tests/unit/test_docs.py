@@ -94,3 +94,16 @@ def test_every_command_in_the_docs_parses_and_validates(where, command):
     and sbatch lines left out paths start-up requires), a flag or file that does not exist,
     and a layout the named model's real shape does not allow."""
     check_command(command)
+
+
+def test_troubleshooting_names_every_fault_injection_point():
+    """Guards against the fault-injection list drifting from the code (the page listed 7
+    points when the code had 10): every point of ``grpo_mega.faults.POINTS`` is named, in
+    backticks, in the paragraph that documents ``GRPO_MEGA_FAULT``."""
+    from grpo_mega.faults import POINTS
+
+    text = (DOCS / "troubleshooting.md").read_text()
+    para = text[text.index("**Fault injection**"):]
+    para = para[:para.index("\n\n")]
+    missing = [p for p in POINTS if f"`{p}`" not in para]
+    assert not missing, missing

@@ -48,6 +48,10 @@ def test_check_config_says_when_it_validated_the_yaml_shape():
     ``model.hf_checkpoint`` the output says so."""
     rc, out, _ = _budget(["--config", LLAMA8B, "--validate-only"])
     assert rc == 0 and "from the config (model.hf_checkpoint not given)" in out
+    # what the tool's help (and the CLI reference generated from it) promises
+    from grpo_mega.preflight import budget
+    assert "--validate-only`` (validate, print two lines" in budget.__doc__
+    assert [ln.split(":")[0] for ln in out.strip().splitlines()] == ["shape validated", "ok"], out
 
 
 def test_megatron_optimizer_with_moe_is_refused_at_start_up():
