@@ -40,9 +40,10 @@ refuses metadata changes, Unix sockets and io_uring) to its caller as a compiled
 anyway, and it is one more privileged binary to trust. This needs only the standard
 library and a kernel feature set checked at start-up.
 
-Cost: about 25 ms per call on the 2-core CI machine before issue 38 (6 ms the
-interpreter's start, 12 ms the child's imports); its layers add about 4 ms of CPU
-(``benchmarks/bench_sandbox.py``; docs/guides/environments.md has the measurement).
+Cost: a median of about 41 ms per call on the 2-core development machine at load 2
+(``benchmarks/bench_sandbox.py``), about 4 ms more than before issue 38's layers, of which
+6 ms is the interpreter's start and 12 ms the child's imports (docs/guides/environments.md
+has the measurements).
 """
 from __future__ import annotations
 
