@@ -103,6 +103,9 @@ def _check_rewards(cfg: Config) -> None:
                               f"be called with them: {problem} (--reward.kwargs)")
 
 
+from grpo_mega.preflight.env_budget import check_env_budget  # noqa: E402
+
+
 def _check_env(cfg: Config) -> None:
     """A multi-turn environment resolves and takes its kwargs; its limits are sane."""
     e = cfg.env
@@ -119,6 +122,7 @@ def _check_env(cfg: Config) -> None:
     if not 1 <= e.max_turns < 1000 or e.max_tokens < 1:
         raise ConfigError(f"env.max_turns={e.max_turns} must be in 1..999 and env.max_tokens={e.max_tokens} "
                           ">= 1 (--env.max_turns, --env.max_tokens)")
+    check_env_budget(cfg)  # the turn's tool calls end before the collective times out
     if cfg.algorithm.advantage == "process":
         raise ConfigError("algorithm.advantage=process scores reasoning steps of one response; with "
                           "env.name the environment gives each episode one reward (--algorithm.advantage=outcome)")

@@ -16,13 +16,10 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega.distributed.errors import run_on_src
+from grpo_mega.preflight.env_budget import check_env_budget
 from grpo_mega.rollout.multi_turn import EpisodeLimits, generate_episodes
 
 __all__ = ["EpisodeSetup", "build_episodes", "check_env_budget", "play", "episode_stats"]
-
-BUDGET_SHARE = 0.8
-"""The largest share of the collective timeout a turn's environment steps may take: the
-rest covers the generate call and the broadcast around them."""
 
 
 class EpisodeSetup:
@@ -30,20 +27,6 @@ class EpisodeSetup:
 
     def __init__(self, codec, make_env: Callable[[], Any], limits: EpisodeLimits):
         self.codec, self.make_env, self.limits = codec, make_env, limits
-
-
-def check_env_budget(cfg) -> None:
-    """``env.tool_workers`` >= 1 and 0 < ``env.turn_budget_seconds`` <= 80% of the collective
-    timeout, else ValueError naming the flags: a turn's tool calls run while every other
-    rank waits in a collective, and must end (or fail with a clear error) before it times out."""
-    e, timeout_s = cfg.env, cfg.parallel.timeout_minutes * 60
-    if not (isinstance(e.tool_workers, int) and e.tool_workers >= 1):
-        raise ValueError(f"env.tool_workers={e.tool_workers!r} must be an integer >= 1 (--env.tool_workers)")
-    if not 0 < e.turn_budget_seconds <= BUDGET_SHARE * timeout_s:
-        raise ValueError(f"env.turn_budget_seconds={e.turn_budget_seconds!r} must be > 0 and at most "
-                         f"{BUDGET_SHARE:.0%} of the collective timeout (parallel.timeout_minutes="
-                         f"{cfg.parallel.timeout_minutes:g}: {BUDGET_SHARE * timeout_s:g} s); lower "
-                         "--env.turn_budget_seconds or raise --parallel.timeout_minutes")
 
 
 def build_episodes(cfg, tokenizer) -> Optional[EpisodeSetup]:

@@ -114,3 +114,15 @@ def test_turn_budget_must_stay_below_the_collective_timeout():
     cfg.env.turn_budget_seconds, cfg.env.tool_workers = 60.0, 0
     with pytest.raises(ValueError, match=r"--env\.tool_workers"):
         check_env_budget(cfg)
+
+
+def test_start_up_refuses_a_turn_budget_past_the_collective_timeout_once():
+    """Finding 6, at start-up: the budget was checked only when the episodes were built, on
+    every rank after the process groups existed (one traceback per rank). ``validate`` (so
+    the launcher's pre-check too) refuses it first, as a ConfigError naming the flags."""
+    from grpo_mega.config import ConfigError, load_config
+    from grpo_mega.preflight.validate import validate
+
+    cfg = load_config(None, ["--env.name=python_tool", "--parallel.timeout_minutes=5"])
+    with pytest.raises(ConfigError, match=r"--env\.turn_budget_seconds"):
+        validate(cfg, 1, check_hardware=False)
