@@ -11,7 +11,12 @@ Sections (single GPU, TP=1, random-weight Llama-shaped models, no downloads):
            peak extra memory;
   bridge   weight export through the bridge (HF names, fused QKV / gate-up split), each
            tensor copied into a preallocated one on the GPU as the engine's load does: GB/s.
-Not in this script: the sync into vLLM and rollout tokens/s through our engine wrapper vs
+Each row also records its peak GPU memory (``peak_gib``: torch's peak allocation during the
+row) next to what the project's memory budget (``python -m grpo_mega.preflight.budget``, whose
+command and report head the results file) predicts for the same shape (``budget_gib``:
+train = weights + fp32 grads + optimizer + activations + logits; ref = weights + logits;
+bridge = weights + their exported copy). Train and ref notes name the layer spec ("local
+spec, no TE" when Transformer Engine does not import). Not in this script: the sync into vLLM and rollout tokens/s through our engine wrapper vs
 vLLM alone (benchmarks/bench_weight_sync.py measures the sync on CPU); the results file
 says so.
 
@@ -19,6 +24,8 @@ says so.
     python benchmarks/gpu.py --sections loss,bridge --models 1b
     python benchmarks/gpu.py --cpu-smoke              # tiny shapes on CPU: checks the script
                                                       # runs; prints, writes no results file
+    python benchmarks/gpu.py --versions               # card, driver, torch, CUDA, megatron...;
+                                                      # exit 1 without a GPU or megatron-core
 
 MFU counts 6 x (matmul parameters) + 6 x layers x seq x (query width) FLOPs per token
 (causal attention, forward + backward) against the GPU's dense bf16 peak. FP8 rows: against
@@ -43,6 +50,8 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
+
+from benchmarks.gpu_budget import budget_gib, budget_text  # noqa: E402
 
 MODELS = {
     # Llama-3.2-shaped, tied embeddings; "smoke" is for --cpu-smoke only.
@@ -111,8 +120,13 @@ class Report:
             self.path.write_text(self.text())
 
     def measure(self, row: dict, fn) -> None:
+        cuda = torch.cuda.is_available()
         try:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             row = dict(row, **fn())
+            if cuda:
+                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         except torch.cuda.OutOfMemoryError as e:
             row = dict(row, note=f"OOM: {str(e).splitlines()[0][:120]}")
         except Exception as e:  # noqa: BLE001 - any failure is a result; the next row runs
@@ -173,6 +187,11 @@ def _model_cfg(name: str, dtype: str, fp8: str = "none", recipe: str = "delayed"
                        **MODELS[name])
 
 
+def _spec_label(device) -> str:
+    from grpo_mega.models.precision import choose_te
+    return "TE spec" if choose_te(device.type, "auto") else "local spec, no TE"
+
+
 def _random_batch(vocab_size: int, rows: int, seq: int, device):
     """A TrainingBatch of random tokens: a 1-token prompt and seq-1 response tokens per row."""
     from grpo_mega.trainer.batch import TrainingBatch
@@ -204,6 +223,7 @@ def bench_train(args, ps, timer, rows):
     dtype = "bfloat16" if timer.cuda else "float32"
     fused = use_fused("auto", ps.device)
     name_dev = torch.cuda.get_device_name() if timer.cuda else platform.processor() or "cpu"
+    spec = _spec_label(ps.device)
     for model_name in args.models:
         variants = [("bf16" if timer.cuda else "fp32", "none", "delayed")]
         if timer.cuda:
@@ -213,6 +233,9 @@ def bench_train(args, ps, timer, rows):
         for label, fp8, recipe in variants:
             row = dict(section="train", case=f"{model_name} {label}"
                        + (f", recompute {fit['recompute']}" if "recompute" in fit else ""), mbs=mbs, seq=args.seq)
+            if fp8 == "none":
+                row["budget_gib"] = budget_gib(MODELS[model_name], dtype, mbs, args.seq,
+                                               fit.get("recompute", "none"))["train"]
             problem = check_fp8_here(fp8, recipe)
             if problem:
                 rows.add(dict(row, note=f"not run: {problem}"))
@@ -242,7 +265,7 @@ def bench_train(args, ps, timer, rows):
                     peak, basis = mixed_peak(shape, args.seq, bf16_peak, fp8_peak), "FP8 GEMMs + bf16 rest peak"
                 return dict(seconds=sec, tokens_per_s=ntok / sec, tflops=flops / sec / 1e12,
                             mfu=(flops / sec / 1e12 / peak) if peak else None,
-                            note=f"fused loss {'on' if fused else 'off'}; MFU vs {basis}")
+                            note=f"{spec}; fused loss {'on' if fused else 'off'}; MFU vs {basis}")
 
             rows.measure(row, run)
 
@@ -263,10 +286,10 @@ def bench_ref(args, ps, timer, rows):
         sec = timer.median(lambda: compute_logprobs(ref, [batch], ps, vocab_size=m.vocab_size,
                                                     temperature=1.0, key="ref_logp", fused=fused),
                            args.repeats)
-        return dict(seconds=sec, tokens_per_s=args.micro_batch * args.seq / sec)
+        return dict(seconds=sec, tokens_per_s=args.micro_batch * args.seq / sec, note=_spec_label(ps.device))
 
-    rows.measure(dict(section="ref", case=f"{args.models[0]} {dtype} forward", mbs=args.micro_batch,
-                      seq=args.seq), run)
+    rows.measure(dict(section="ref", case=f"{args.models[0]} {dtype} forward", mbs=args.micro_batch, seq=args.seq,
+                      budget_gib=budget_gib(MODELS[args.models[0]], dtype, args.micro_batch, args.seq)["ref"]), run)
 
 
 def bench_loss(args, ps, timer, rows):
@@ -346,15 +369,15 @@ def bench_bridge(args, ps, timer, rows):
         sec = timer.median(export, args.repeats)
         return dict(seconds=sec, gbps=nbytes / sec / 1e9, note=f"{nbytes / 1e9:.2f} GB exported and copied")
 
-    rows.measure(dict(section="bridge", case=f"{args.models[0]} {dtype} export + copy, {args.bucket_mb} MiB buckets"),
-                 run)
+    rows.measure(dict(section="bridge", case=f"{args.models[0]} {dtype} export + copy, {args.bucket_mb} MiB buckets",
+                      budget_gib=budget_gib(MODELS[args.models[0]], dtype, args.micro_batch, args.seq)["bridge"]), run)
     rows.add(dict(section="bridge", case="sync into vLLM / rollout tokens/s",
                   note="not measured by this script (tools/gpu_smoke.sh syncs into a vLLM GPU engine)"))
 
 
 COLUMNS = [("section", "{}"), ("case", "{}"), ("mbs", "{}"), ("seq", "{}"), ("seconds", "{:.4f}"),
            ("tokens_per_s", "{:,.0f}"), ("tflops", "{:.1f}"), ("mfu", "{:.1%}"), ("gbps", "{:.2f}"),
-           ("peak_mib", "{:,.0f}"), ("note", "{}")]
+           ("peak_mib", "{:,.0f}"), ("peak_gib", "{:.2f}"), ("budget_gib", "{:.2f}"), ("note", "{}")]
 
 
 def table(rows) -> str:
@@ -367,7 +390,13 @@ def table(rows) -> str:
 
 
 def versions() -> dict:
-    out = {"python": platform.python_version(), "torch": torch.__version__,
+    import subprocess
+    try:  # the driver's version is nvidia-smi's (torch knows only the CUDA API level)
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        smi = "no nvidia-smi"
+    out = {"card, driver, memory": smi, "python": platform.python_version(), "torch": torch.__version__,
            "cuda": torch.version.cuda}
     for mod in ("megatron.core", "transformer_engine", "triton", "vllm"):
         try:
@@ -394,7 +423,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", default=str(REPO / "benchmarks" / "results"))
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes on CPU to check the script; writes no results file")
+    ap.add_argument("--versions", action="store_true",
+                    help="print the card, driver and package versions; exit 1 without a GPU or megatron-core")
     args = ap.parse_args(argv)
+    if args.versions:
+        ver = versions()
+        print("\n".join(f"{k}: {v}" for k, v in ver.items()))
+        return 0 if torch.cuda.is_available() and ver["megatron.core"] != "not installed" else 1
     if args.cpu_smoke:
         args.models, args.micro_batch, args.seq = "smoke", 2, 32
         args.loss_tokens, args.loss_vocab, args.repeats, args.bucket_mb = 64, 1000, 2, 1
@@ -415,7 +450,8 @@ def main(argv=None) -> int:
     command = "python benchmarks/gpu.py " + " ".join(argv if argv is not None else sys.argv[1:])
     ver = ", ".join(f"{k} {v}" for k, v in versions().items())
     header = (f"# GPU benchmark, {datetime.date.today()} on {device}\n\n"
-              f"Command: `{command.strip()}`\n\nVersions: {ver}\n\n")
+              f"Command: `{command.strip()}`\n\nVersions: {ver}\n\n"
+              + budget_text(args.models[0], MODELS[args.models[0]], args.micro_batch, args.seq, timer.cuda))
     path = None
     if timer.cuda:
         slug = "".join(ch if ch.isalnum() else "-" for ch in device).strip("-")

@@ -187,6 +187,8 @@ def check_command(line: str) -> str:
                 from grpo_mega.config import load_config
                 load_config(str(REPO / "grpo_mega/configs/demo.yaml"), demo_args)
         return f"make {' '.join(plain)}"
+    if re.match(r"^(launch|tools|benchmarks)/", prog):  # a repository script run directly
+        assert (REPO / prog).is_file(), f"{prog} does not exist"
     for a in args:  # kubectl, pip, sbatch wrappers...: the repository files named exist
         if re.match(r"^(launch|tools|grpo_mega|examples|benchmarks|tests)/", a):
             assert (REPO / a).exists(), f"{a} does not exist"

@@ -22,6 +22,9 @@ from tests.unit.optim.test_distributed_optimizer import VOCAB, _canonical, _mcfg
 STEPS = 3
 IMPLS = ("parallel", "grpo", "megatron")
 CUDA = torch.cuda.is_available()
+# `pytest -m gpu` (tools/gpu_smoke.sh --tier lite) runs these on a GPU at one NCCL rank; on a
+# CPU they run as they always did (two gloo ranks), so the mark selects, it does not skip.
+pytestmark = pytest.mark.gpu
 
 
 def _build(dtype, canon, impl):
