@@ -21,8 +21,10 @@ def _run(*args, out_dir):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
 def test_gpu_benchmark_refuses_without_gpu_and_smoke_runs_every_section(tmp_path):
-    """Guards against CPU numbers landing in the GPU results file, and against a GPU
-    script that has never run end to end (it would first fail on the lent GPU)."""
+    """Guards against CPU numbers landing in the GPU results file, against a GPU
+    script that has never run end to end (it would first fail on the lent GPU), and against
+    rows without their peak memory, the budget's prediction for their shape, the budget's
+    command, or the layer spec their figures were measured with (issue 39)."""
     refused = _run(out_dir=tmp_path)
     assert refused.returncode == 2 and "needs a CUDA GPU" in refused.stderr, refused.stderr[-2000:]
     smoke = _run("--cpu-smoke", out_dir=tmp_path)
@@ -34,6 +36,14 @@ def test_gpu_benchmark_refuses_without_gpu_and_smoke_runs_every_section(tmp_path
     timed = [ln for ln in rows if "not run" not in ln and "not measured" not in ln]
     assert all(float(ln.split("|")[5]) > 0 for ln in timed), timed
     assert not list(tmp_path.iterdir())  # no results file from a CPU run
+    # Each train/ref/bridge row sits next to the budget's prediction for its shape, under the
+    # command that prints that budget (issue 39: peak memory per phase vs the budget).
+    head = next(ln for ln in smoke.stdout.splitlines() if ln.startswith("| section |"))
+    col = [c.strip() for c in head.split("|")].index("budget_gib")
+    assert "peak_gib" in head and "Budget for the smoke rows: `python -m grpo_mega.preflight.budget" in smoke.stdout
+    measured = [ln.split("|") for ln in timed if ln.split("|")[1].strip() in ("train", "ref", "bridge")]
+    assert len(measured) == 3 and all(r[col].strip() for r in measured), measured
+    assert all("local spec, no TE" in r[-2] for r in measured if r[1].strip() in ("train", "ref")), measured
 
 
 def _bench_module():
@@ -50,7 +60,8 @@ def test_gpu_ready_bench_keeps_every_row_fits_3b_and_labels_fp8_mfu_honestly(tmp
     end, so one TE or NCCL error lost every row (each row must be written as measured and
     an error recorded in its row); the 3B rows OOMed as configured (4 x 2048 tokens: 90 GiB
     by the project's budget; they must fit 80 GB); FP8 "MFU" divided everything by the FP8
-    peak although attention and the LM head run in bf16."""
+    peak although attention and the LM head run in bf16. And the lite smoke's 1B row being
+    compared with anything but the sum of its shape's trainer rows in the budget."""
     from grpo_mega.config import load_config
     from grpo_mega.preflight.budget import derive_layout, memory_budget
 
@@ -75,6 +86,12 @@ def test_gpu_ready_bench_keeps_every_row_fits_3b_and_labels_fp8_mfu_honestly(tmp
         "--data.prompts_per_step=1", f"--rollout.n={fit['micro_batch']}", "--data.max_prompt_tokens=1024",
         "--rollout.max_new_tokens=1024", "--rollout.max_model_len=2048"])
     assert memory_budget(cfg, derive_layout(cfg, 1)).training_phase_gib < 78
+
+    # The lite smoke's 1B row (micro-batch 1 x 2048): the budget it is compared with is its
+    # trainer rows' sum, and fits an H100 with room for the local spec's unfused attention.
+    b = gpu.budget_gib(gpu.MODELS["1b"], "bfloat16", 1, 2048)
+    parts = ("policy weights", "gradients", "optimizer", "reference weights", "activations", "logits")
+    assert b["train"] == sum(b[k] for k in parts) and 20 < b["train"] < 40, b
 
     m = gpu.MODELS["1b"]
     fp8_part, bf16_part = gpu.train_flops_split(m, 2048)
