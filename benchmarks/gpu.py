@@ -235,7 +235,7 @@ def bench_train(args, ps, timer, rows):
                        + (f", recompute {fit['recompute']}" if "recompute" in fit else ""), mbs=mbs, seq=args.seq)
             if fp8 == "none":
                 row["budget_gib"] = budget_gib(MODELS[model_name], dtype, mbs, args.seq,
-                                               fit.get("recompute", "none"))["train"]
+                                               fit.get("recompute", "none")).get("train")
             problem = check_fp8_here(fp8, recipe)
             if problem:
                 rows.add(dict(row, note=f"not run: {problem}"))
@@ -289,7 +289,7 @@ def bench_ref(args, ps, timer, rows):
         return dict(seconds=sec, tokens_per_s=args.micro_batch * args.seq / sec, note=_spec_label(ps.device))
 
     rows.measure(dict(section="ref", case=f"{args.models[0]} {dtype} forward", mbs=args.micro_batch, seq=args.seq,
-                      budget_gib=budget_gib(MODELS[args.models[0]], dtype, args.micro_batch, args.seq)["ref"]), run)
+                      budget_gib=budget_gib(MODELS[args.models[0]], dtype, args.micro_batch, args.seq).get("ref")), run)
 
 
 def bench_loss(args, ps, timer, rows):
@@ -370,7 +370,7 @@ def bench_bridge(args, ps, timer, rows):
         return dict(seconds=sec, gbps=nbytes / sec / 1e9, note=f"{nbytes / 1e9:.2f} GB exported and copied")
 
     rows.measure(dict(section="bridge", case=f"{args.models[0]} {dtype} export + copy, {args.bucket_mb} MiB buckets",
-                      budget_gib=budget_gib(MODELS[args.models[0]], dtype, args.micro_batch, args.seq)["bridge"]), run)
+                      budget_gib=budget_gib(MODELS[args.models[0]], dtype, args.micro_batch, args.seq).get("bridge")), run)
     rows.add(dict(section="bridge", case="sync into vLLM / rollout tokens/s",
                   note="not measured by this script (tools/gpu_smoke.sh syncs into a vLLM GPU engine)"))
 
