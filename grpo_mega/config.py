@@ -136,10 +136,11 @@ class EnvConfig:
     """Environment steps (an episode's tool calls of one turn) run at once, in threads, on
     each engine replica's first rank while its other ranks wait; 1: one after the other.
     Each python tool call holds a sandbox process (``memory_mb``, ``cpu_seconds``)."""
-    turn_budget_seconds: float = 300.0
+    turn_budget_seconds: Optional[float] = None
     """Wall-clock budget of one turn's environment steps on a replica; past it the step
     fails naming this flag. At most 80% of the collective timeout
-    (``parallel.timeout_minutes``), under which the other ranks wait meanwhile."""
+    (``parallel.timeout_minutes``), under which the other ranks wait meanwhile; null (the
+    default) is that 80%, so it follows the timeout."""
 
 
 @dataclass

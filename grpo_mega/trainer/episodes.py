@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega.distributed.errors import run_on_src
-from grpo_mega.preflight.env_budget import check_env_budget
+from grpo_mega.preflight.env_budget import check_env_budget, turn_budget_seconds
 from grpo_mega.rollout.multi_turn import EpisodeLimits, generate_episodes
 
 __all__ = ["EpisodeSetup", "build_episodes", "check_env_budget", "play", "episode_stats"]
@@ -41,7 +41,7 @@ def build_episodes(cfg, tokenizer) -> Optional[EpisodeSetup]:
     make_env(cfg.env.name, cfg.env.kwargs).close()  # a bad name or kwarg fails at start-up, on every rank
     limits = EpisodeLimits(max_turns=cfg.env.max_turns, max_tokens=cfg.env.max_tokens,
                            max_model_len=cfg.rollout.max_model_len, env_workers=cfg.env.tool_workers,
-                           env_budget_seconds=cfg.env.turn_budget_seconds)
+                           env_budget_seconds=turn_budget_seconds(cfg))
     return EpisodeSetup(codec, lambda: make_env(cfg.env.name, cfg.env.kwargs), limits)
 
 

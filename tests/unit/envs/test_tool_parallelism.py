@@ -18,6 +18,7 @@ from grpo_mega.config import Config
 from grpo_mega.envs import PythonToolEnv, ToolEnv
 from grpo_mega.rollout.multi_turn import EnvBudgetExceeded, EpisodeLimits, run_episodes
 from grpo_mega.rollout.types import RolloutBatch, SamplingConfig
+from grpo_mega.preflight.env_budget import turn_budget_seconds
 from grpo_mega.trainer.episodes import check_env_budget
 from tests.unit.envs.sandbox_probe import needs_sandbox
 
@@ -109,6 +110,9 @@ def test_turn_budget_must_stay_below_the_collective_timeout():
     cfg = Config()
     check_env_budget(cfg)  # the defaults fit
     cfg.parallel.timeout_minutes = 5
+    check_env_budget(cfg)  # the default follows the timeout: 80% of it (the demos' 5 minutes)
+    assert turn_budget_seconds(cfg) == 240.0
+    cfg.env.turn_budget_seconds = 300.0
     with pytest.raises(ValueError, match=r"env\.turn_budget_seconds=300\.0.*--parallel\.timeout_minutes"):
         check_env_budget(cfg)
     cfg.env.turn_budget_seconds, cfg.env.tool_workers = 60.0, 0
@@ -123,6 +127,7 @@ def test_start_up_refuses_a_turn_budget_past_the_collective_timeout_once():
     from grpo_mega.config import ConfigError, load_config
     from grpo_mega.preflight.validate import validate
 
-    cfg = load_config(None, ["--env.name=python_tool", "--parallel.timeout_minutes=5"])
+    cfg = load_config(None, ["--env.name=python_tool", "--parallel.timeout_minutes=5",
+                             "--env.turn_budget_seconds=300"])
     with pytest.raises(ConfigError, match=r"--env\.turn_budget_seconds"):
         validate(cfg, 1, check_hardware=False)
