@@ -16,8 +16,9 @@ saved), and a run should end with a model a person can serve.
 Rules: collective over the default group (every rank consumes the pairs, global rank 0
 writes); the output appears by one rename of a finished temporary directory, and an
 earlier export it replaces is moved aside first and removed only after the new one is in
-place, so a kill at any moment leaves a complete directory (the old or the new) and at
-most a ``.<name>.tmp-*`` / ``<name>.old`` sibling. Nothing is read from the output directory.
+place (``io._publish``, shared with the conversion tool), so a kill at any moment leaves a
+complete directory (the old or the new) and at most a ``.<name>.tmp-*`` / ``<name>.old``
+sibling. Nothing is read from the output directory.
 """
 from __future__ import annotations
 
@@ -33,26 +34,13 @@ import torch.distributed as dist
 
 from grpo_mega.checkpoint.convert import _write_hf_side_files
 from grpo_mega.checkpoint.hf_files import _ShardWriter
-from grpo_mega.checkpoint.io import Progress, _say, _shared_tmp_dir, _tmp_dir_for
+from grpo_mega.checkpoint.io import Progress, _publish_collectively, _say, _shared_tmp_dir, _tmp_dir_for
 from grpo_mega.config import ModelConfig
 
 __all__ = ["EXPORT_INFO", "write_hf_dir"]
 
 EXPORT_INFO = "grpo_mega_export.json"
 """What the directory holds: the training step, the source model directory and the time."""
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Put ``tmp`` in place as ``out``; an existing ``out`` is renamed aside first and
-    deleted only once ``tmp`` is published (never a moment without a complete copy)."""
-    old = out.with_name(out.name + ".old")
-    if old.exists():  # a kill after the last publish's rename: out is the newer copy
-        shutil.rmtree(old)
-    if out.exists():
-        os.rename(out, old)
-    os.rename(tmp, out)
-    if old.exists():
-        shutil.rmtree(old)
 
 
 def write_hf_dir(pairs: Iterable[tuple[str, torch.Tensor]], out_dir: str | os.PathLike,
@@ -80,14 +68,10 @@ def write_hf_dir(pairs: Iterable[tuple[str, torch.Tensor]], out_dir: str | os.Pa
             (tmp / EXPORT_INFO).write_text(json.dumps(
                 {"step": step, "source": str(source_dir) if source_dir else None,
                  "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1) + "\n")
-        if world > 1:
-            dist.barrier()
+        _publish_collectively(tmp, out, overwrite=True)  # the old copy goes only once the new is in place
         if writer_rank:
-            _replace_dir(tmp, out)
             _say(progress, f"[export-hf] step {step}: {out} ({', '.join(files)}, "
                            f"{writer.total / 1e6:.1f} MB, {time.perf_counter() - start:.1f} s)")
-        if world > 1:
-            dist.barrier()
         return out
     except BaseException:
         if writer_rank:

@@ -309,11 +309,19 @@ def _check_out(out: Path, overwrite: bool) -> None:
 
 
 def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Rename the finished ``tmp`` to ``out``. An ``out`` it replaces (``overwrite``) is
+    renamed to ``<out>.old`` first and deleted only once ``tmp`` is in place, so a kill at
+    any moment leaves a complete directory (the old or the new) and at most that sibling."""
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"output directory {out} already exists")
+    old = out.with_name(out.name + ".old")
+    if old.exists():  # a kill after the last publish's rename: out is the newer copy
+        shutil.rmtree(old)
     if out.exists():
-        if not overwrite:
-            raise CheckpointError(f"output directory {out} already exists")
-        shutil.rmtree(out)
+        os.rename(out, old)
     os.rename(tmp, out)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def _publish_collectively(tmp: Path, out: Path, overwrite: bool) -> None:
