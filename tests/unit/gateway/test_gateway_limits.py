@@ -192,6 +192,9 @@ def test_gateway_caps_connections_and_body_bytes_in_flight(chatml_codec):
         assert status == 503 and json.loads(body)["error"]["code"] == "too_many_body_bytes", body
         holders[0].sendall(first[-500:])
         assert holders[0].recv(65536).startswith(b"HTTP/1.1 201 ")
+        # the handler gives A's bytes back after sending its answer: wait for that, or B can
+        # race it (a full-suite run saw 503 here)
+        assert wait_for(lambda: server.httpd.bodies.held == 0)
         assert exchange(server, post("/episodes", json.dumps({"id": "b"}).encode().ljust(1000)))[0] == 201
         assert wait_for(lambda: server.httpd.bodies.held == 0), "a body's bytes were never given back"
         for s in holders:
