@@ -88,6 +88,21 @@ def grpo_step(t: Trainer, step: int) -> dict:
     return metrics
 
 
+def save(t: Trainer, final: bool = False) -> None:
+    """Checkpoint (and HF export when due) with the engine released (issue 39): on a
+    colocated GPU whose engine sleeps between rollouts, the save's buffers use the memory
+    the engine's weights and KV cache free. A level-2 sleep discarded the engine's weights,
+    so a periodic save wakes it and syncs again; the final one leaves it asleep."""
+    sleeps = t.cfg.rollout.placement != "separate" and t.cfg.rollout.sleep_between_rollouts
+    if sleeps:
+        S.release_engine(t)
+    S.checkpoint(t)
+    S.export_hf(t, periodic=not final)
+    if sleeps and not final:
+        S.resume_engine(t)
+        S.sync(t)
+
+
 def _agreed_elapsed(t: Trainer) -> float:
     """Wall time since start as rank 0 sees it, so every rank stops at the same step."""
     v = torch.tensor([time.time() - t.started], dtype=torch.float64, device=t.ps.device)
@@ -142,11 +157,9 @@ def run(t: Trainer) -> dict:
         bar.update(1)
         if cfg.checkpoint.save_every and t.step % cfg.checkpoint.save_every == 0 and t.step < steps:
             with stage("checkpoint", {}):
-                S.checkpoint(t)
-                S.export_hf(t, periodic=True)
+                save(t)
     bar.close()
-    S.checkpoint(t)
-    S.export_hf(t)
+    save(t, final=True)
     return t.finish()
 
 

@@ -129,18 +129,18 @@ def budget_rows() -> list[tuple[str, object]]:
 
 def memory_budget_chart(plt) -> Path:
     rows = budget_rows()
-    phases = (("rollout_phase_gib", "rollout", "#4c72b0"), ("training_phase_gib", "training", "#55a868"),
-              ("wake_up_gib", "wake-up", "#dd8452"))
+    names = [ph.name for ph in rows[0][1].phases] if rows else []
+    colors = ("#4c72b0", "#8172b3", "#55a868", "#dd8452", "#ccb974", "#64b5cd")
     fig, ax = plt.subplots(figsize=(7.0, 3.2))
-    width = 0.26
-    for k, (attr, label, color) in enumerate(phases):
-        xs = [i + (k - 1) * width for i in range(len(rows))]
-        ax.bar(xs, [getattr(b, attr) for _, b in rows], width, label=label, color=color)
+    width = 0.8 / max(len(names), 1)
+    for k, name in enumerate(names):
+        xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(rows))]
+        ax.bar(xs, [b.phase(name) for _, b in rows], width, label=name, color=colors[k % len(colors)])
     gpu = rows[0][1].gpu_gib if rows else 80.0
     ax.axhline(gpu, color="#c44e52", lw=1.2, ls="--", label=f"GPU memory ({gpu:g} GiB)")
     ax.set_xticks(range(len(rows)), [name for name, _ in rows])
     ax.set_ylabel("GiB per GPU (worst stage)")
-    ax.legend(frameon=False, fontsize=8, ncols=4, loc="upper center", bbox_to_anchor=(0.5, 1.18))
+    ax.legend(frameon=False, fontsize=8, ncols=7, loc="upper center", bbox_to_anchor=(0.5, 1.18))
     ax.grid(axis="y", alpha=0.3)
     return _save(fig, "memory-budget.svg")
 

@@ -187,6 +187,8 @@ class ParallelAdamW:
             with torch.no_grad():
                 for p, master in zip(self.params, self.main):
                     p.copy_(master)
+        for p in self.main:  # the next micro-batch's hook makes them anew: 4 B/param not held
+            p.grad = None    # through rollouts and saves
         return {"grad_norm": norm, "clip_coef": coef, "skipped": False}
 
     def state_bytes(self) -> int:

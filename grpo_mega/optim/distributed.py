@@ -22,10 +22,14 @@ allocate on CUDA (PLATFORM_NOTES), so this one is plain torch and runs on gloo t
   ``param_buf``, i.e. into every parameter at once.
 
 Per rank: the fp32 grad buffers (4 B/param) and the weights are whole; m, v and the
-master are 12 B/param / dp (+ < dp elements of padding per bucket). Checkpoints stay layout-independent: ``full_state()``
-gathers the slices into whole per-parameter tensors (the layout ``ParallelAdamW``
-keeps) for the duration of a save or load, so a checkpoint saved at DP=2 resumes at
-DP=1 with either optimizer, and back.
+master are 12 B/param / dp (+ < dp elements of padding per bucket); the reduced slice
+(``master.grad``, 4 B/param / dp) lives from the reduce-scatter to the end of ``step``
+and is freed there, so it does not sit next to the engine between steps.
+Checkpoints stay layout-independent: ``full_state()`` gathers the slices into whole
+per-parameter tensors (the layout ``ParallelAdamW`` keeps) in host memory, chunk by chunk
+(``gather_chunk_bytes`` of accelerator memory at a time, through a pinned staging buffer
+on GPU), for the duration of a save or load, so a checkpoint saved at DP=2 resumes at DP=1
+with either optimizer, and back, and a save needs no 12 B/param of free accelerator memory.
 """
 from __future__ import annotations
 
@@ -41,6 +45,9 @@ from grpo_mega.faults import fault_point
 from grpo_mega.optim.adamw import clip_coefficient, counts_once, is_tp_partial_grad
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+GATHER_CHUNK_BYTES = 256 << 20
+"""Accelerator memory one step of ``full_state``'s gather takes by default: a chunk of every
+DP rank's slice, gathered, before it is copied to host memory."""
 
 
 def shard_bounds(numel: int, dp: int, dp_rank: int) -> tuple[int, int, int]:
@@ -133,6 +140,7 @@ class DistributedAdamW:
                                      betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                      weight_decay=cfg.weight_decay)
         self._full: dict | None = None
+        self.gather_chunk_bytes = GATHER_CHUNK_BYTES
 
     @property
     def param_groups(self):
@@ -188,6 +196,7 @@ class DistributedAdamW:
         self.opt.step()
         for b in self.buckets:
             b.publish(self.ps)
+            b.master.grad = None  # 4 B/param / dp not held through rollouts and saves
         return {"grad_norm": norm, "clip_coef": coef, "skipped": False}
 
     def _state(self, b: _Bucket) -> dict:
@@ -210,19 +219,11 @@ class DistributedAdamW:
         """Collective over DP. Inside, ``state_tensors`` returns whole per-parameter tensors
         (gathered from the slices); with ``write_back`` (a checkpoint load), each rank keeps
         its slice of them on exit, and an fp32 model's master is re-read from the (loaded)
-        weights. Holds 8-12 B/param of whole state on every rank while open."""
+        weights. Holds 8-12 B/param of whole state in host memory on every rank while open,
+        and ``gather_chunk_bytes`` of accelerator memory at a time while gathering."""
         ps = self.ps
-        self._full = {}
-        for b in self.buckets:
-            full = {}
-            for k, mine in self._slices(b).items():
-                buf = torch.empty(b.shard * ps.dp, dtype=torch.float32, device=mine.device)
-                if ps.dp > 1:
-                    dist.all_gather_into_tensor(buf, mine.contiguous(), group=ps.dp_group)
-                else:
-                    buf.copy_(mine)
-                full[k] = buf
-            self._full[id(b)] = full
+        self._full = {id(b): {k: self._gather_to_host(b, mine) for k, mine in self._slices(b).items()}
+                      for b in self.buckets}
         try:
             yield self
             if write_back:
@@ -235,6 +236,27 @@ class DistributedAdamW:
                         b.publish(ps)
         finally:
             self._full = None
+
+    def _gather_to_host(self, b: _Bucket, mine: torch.Tensor) -> torch.Tensor:
+        """Every DP rank's slice ``mine`` ([shard] fp32 on the job's device) -> one host
+        tensor [shard * dp], rank r's slice at [r * shard, (r + 1) * shard). The collective
+        runs on the device (NCCL gathers device tensors), one chunk of the slice at a time."""
+        ps = self.ps
+        host = torch.empty(b.shard * ps.dp, dtype=torch.float32, device="cpu")
+        if ps.dp == 1:
+            return host.copy_(mine)
+        per_rank = host.view(ps.dp, b.shard)
+        step = max(self.gather_chunk_bytes // (4 * ps.dp), 1)
+        staging = (torch.empty(step * ps.dp, dtype=torch.float32, pin_memory=True)
+                   if mine.device.type == "cuda" else None)
+        for a in range(0, b.shard, step):
+            e = min(a + step, b.shard)
+            out = torch.empty((e - a) * ps.dp, dtype=torch.float32, device=mine.device)
+            dist.all_gather_into_tensor(out, mine[a:e].contiguous(), group=ps.dp_group)
+            if staging is not None:  # one DMA into pinned memory, then a host-to-host copy
+                out = staging[:out.numel()].copy_(out)
+            per_rank[:, a:e].copy_(out.view(ps.dp, e - a))
+        return host
 
     def state_tensors(self, p: torch.nn.Parameter) -> dict:
         """Whole per-parameter state of model parameter ``p``, shaped like it, as views into

@@ -9,7 +9,7 @@ layout launch, and will it fit?" before a multi-node job queues for hours:
     launch/torchrun.sh --check-config          # the same, with CONFIG/NNODES/NPROC_PER_NODE
 
 Options: ``--world-size N`` (default: tp x pp x dp from the config, dp=1 when it is 0),
-``--gpus-per-node N`` (8), ``--gpu-memory-gib X`` (80, an H100/A100-80GB),
+``--gpus-per-node N`` (8), ``--gpu-memory-gib X`` (79.6, what an H100 80GB reports),
 ``--validate-only`` (validate, print two lines: the shape validated and where it came
 from, then the layout; exit 0 or 2), ``--require-paths`` (the files a
 training run reads: the data paths set and present, tokenizer files in ``model.hf_checkpoint``;
@@ -34,12 +34,15 @@ The budget is an estimate for the worst pipeline stage of one GPU, in GiB:
   as the model builder pads it; matrices are split over TP, norms are replicated. An MoE
   model's experts are split over EP x expert TP (= TP), its router is replicated like the norms.
 * weights in ``model.dtype``; gradients in fp32 (megatron's main grads, whole on every
-  rank in both optimizers); Adam m and v in fp32 plus an fp32 master copy when the weights
-  are bf16 or the optimizer is distributed (12 B/param), divided over DP with
-  ``optimizer.use_distributed_optimizer`` (experts' state over expert-DP = dp / ep only;
-  ``optim/distributed.py``; a checkpoint save
-  gathers the whole state for its duration, a transient not counted here); a frozen reference copy when
-  ``algorithm.kl_coef > 0`` (unless ``checkpoint.offload_reference``).
+  rank in both optimizers: the distributed optimizers keep them in a flat buffer between
+  steps, ``ParallelAdamW`` frees them after each step); with the grpo distributed optimizer
+  also the reduced slice ``master.grad`` (4 B/param / dp, update only); Adam m and v in fp32
+  plus an fp32 master copy when the weights are bf16 or the optimizer is distributed
+  (12 B/param), divided over DP with ``optimizer.use_distributed_optimizer`` (experts' state
+  over expert-DP = dp / ep only; ``optim/distributed.py``); a frozen reference copy when
+  ``algorithm.kl_coef > 0`` (unless ``checkpoint.offload_reference``); Transformer Engine's
+  FP8 weight caches with ``model.fp8`` (2 B/param: weight and transpose) and
+  ``model.reference_fp8`` (1 B/param).
 * activations (``activation_bytes``), with flash attention, per token and layer: ``4h``
   replicated (two norm inputs, QKV and fc1 inputs; ``/ tp`` with ``model.sequence_parallel``) plus
   ``((heads + 2 kv_heads) * head_dim + heads * head_dim + 3 ffn) / tp`` (q/k/v, attention
@@ -53,11 +56,10 @@ The budget is an estimate for the worst pipeline stage of one GPU, in GiB:
   rest of the world, as the trainer places them; an MoE model's experts over engine TP x
   the replicas in ``external_launcher`` mode, where vLLM's MoE TP spans its DP), a fixed
   2 GiB for its activations and sampler, and the rest is KV cache.
-* the peak is the largest of the rollout phase (trainer weights, grads, optimizer and
-  reference stay resident next to the engine's share), the training phase (trainer
-  plus activations; the engine sleeps when ``rollout.sleep_between_rollouts``) and the
-  wake-up (what torch still holds after emptying its cache, plus the engine's weights;
-  the KV cache wakes after the sync), plus a 3 GiB reserve for the CUDA context, NCCL buffers and allocator fragmentation.
+* the peak is the largest of the phases (``phases.py``): rollout, reference, update,
+  wake-up, sync and the checkpoint save (whose gather goes to host memory chunk by chunk,
+  with the engine released), each with a 3 GiB reserve for the CUDA context, NCCL buffers
+  and allocator fragmentation; while the engine sleeps its CUDA-graph pool stays.
 """
 from __future__ import annotations
 
@@ -69,25 +71,20 @@ from grpo_mega.config import Config, ConfigError, ModelConfig, derived_dp, load_
 
 from grpo_mega.preflight.shape import describe_shape, model_shape_from_hf
 from grpo_mega.preflight.params import ParamCount, count_params, head_dim, padded_vocab
+from grpo_mega.preflight.phases import (CUDA_GRAPH_POOL_GIB, RUNTIME_RESERVE_GIB, SAVE_GATHER_GIB, Row,
+                                        phase_rows)
 from grpo_mega.preflight.paths import check_paths
 from grpo_mega.preflight.validate import validate
 
 __all__ = ["ParamCount", "count_params", "head_dim", "padded_vocab", "derive_layout", "memory_budget",
-           "activation_bytes", "report", "main"]
+           "activation_bytes", "report", "main", "RUNTIME_RESERVE_GIB", "CUDA_GRAPH_POOL_GIB"]
 
 GiB = float(1 << 30)
 ENGINE_OVERHEAD_GIB = 2.0
-"""vLLM activations, sampler logits and CUDA graphs, outside weights and KV cache."""
-RUNTIME_RESERVE_GIB = 3.0
-"""CUDA context, NCCL buffers and allocator fragmentation per GPU."""
+"""vLLM activations, sampler logits and CUDA graphs, inside its share beside weights and KV cache."""
+GPU_GIB = 79.6
+"""The default card: what an H100 80GB reports (81,559 MiB); ``--gpu-memory-gib`` for others."""
 _BYTES = {"float32": 4, "bfloat16": 2}
-
-
-@dataclass
-class Row:
-    name: str
-    gib: float
-    note: str = ""
 
 
 @dataclass
@@ -97,16 +94,34 @@ class Budget:
     gpu_gib: float
     trainer: list[Row] = field(default_factory=list)
     engine: list[Row] = field(default_factory=list)
-    rollout_phase_gib: float = 0.0
-    training_phase_gib: float = 0.0
-    wake_up_gib: float = 0.0
-    """The engine's weights waking after the update: what torch still holds once its cache
-    is emptied (trainer weights, grads, optimizer, reference) + engine weights + reserve."""
-    peak_gib: float = 0.0
+    phases: list[Row] = field(default_factory=list)
+    """Each phase of a step and the save (``phases.py``), in the order they run."""
+    host_save_gib: float = 0.0
+    """Host memory per rank the save's gathered optimizer state takes (DP-sharded optimizers)."""
     kv_tokens: int = 0
     kv_seqs: int = 0
     seqs_per_engine: int = 0
     engine_tp: int = 1
+
+    @property
+    def peak_gib(self) -> float:
+        return max(p.gib for p in self.phases)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: p.gib).name
+
+    @property
+    def rollout_phase_gib(self) -> float:
+        return self.phase("rollout")
+
+    @property
+    def training_phase_gib(self) -> float:
+        return self.phase("update")
+
+    @property
+    def wake_up_gib(self) -> float:
+        return self.phase("wake-up")
 
     @property
     def headroom_gib(self) -> float:
@@ -118,6 +133,12 @@ class Budget:
 
     def row(self, name: str) -> float:
         for r in self.trainer + self.engine:
+            if r.name == name:
+                return r.gib
+        raise KeyError(name)
+
+    def phase(self, name: str) -> float:
+        for r in self.phases:
             if r.name == name:
                 return r.gib
         raise KeyError(name)
@@ -194,7 +215,7 @@ def activation_bytes(m: ModelConfig, tp: int, pp: int, inflight: int) -> float:
     return per_layer * layers * inflight
 
 
-def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = 80.0) -> Budget:
+def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = GPU_GIB) -> Budget:
     m, p, r, o = cfg.model, cfg.parallel, cfg.rollout, cfg.optimizer
     tp, pp, dp = layout.tp, layout.pp, layout.dp
     wb = _BYTES[m.dtype]
@@ -215,7 +236,9 @@ def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = 80.0) -> Budget:
     moe = (f" ({dense / 1e9:.2f}B dense + {experts / 1e9:.2f}B of {m.num_experts // ep} experts "
            f"at EP {ep})") if m.num_experts else ""
     b.trainer.append(Row("policy weights", n * wb / GiB, f"{n / 1e9:.2f}B params/GPU{moe} in {m.dtype}"))
-    b.trainer.append(Row("gradients", n * 4 / GiB, "fp32 main grads"))
+    zero = o.use_distributed_optimizer
+    b.trainer.append(Row("gradients", n * 4 / GiB, "fp32 main grads" + (
+        ", a flat buffer kept between steps" if zero else ", freed after each step"), resident=zero))
     opt_params = dense / (dp if dist_opt else 1) + experts / edp
     shard = (f", distributed over dp={dp}" + (f" (experts over expert-dp={edp})" if m.num_experts else "")
              if dist_opt else ", not sharded")
@@ -226,18 +249,28 @@ def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = 80.0) -> Budget:
     b.trainer.append(Row("reference weights", n * wb / GiB if ref_on and not offload else 0.0,
                          "kl_coef=0: no reference" if not ref_on else
                          ("offloaded to CPU between uses" if offload else f"frozen copy in {m.dtype}")))
+    # Transformer Engine caches each FP8 GEMM's weight (and its transpose for the backward)
+    # on the module between steps; the reference, forward-only, only the weight.
+    fp8 = (2 * n if m.fp8 != "none" else 0) + (n if m.reference_fp8 and ref_on and not offload else 0)
+    b.trainer.append(Row("FP8 weight cache", fp8 / GiB, f"model.fp8={m.fp8}, reference_fp8={m.reference_fp8}"
+                         + (": TE's FP8 weights + transposes, 2 B/param" if fp8 else "")))
+    ours = zero and o.distributed_impl == "grpo"  # megatron's main grads are views of its buffer
+    b.trainer.append(Row("step gradients", opt_params * 4 / GiB if ours else 0.0,
+                         "the reduced fp32 slice (master.grad), from the reduce-scatter to the end of the step"
+                         if ours else "none beyond the gradients row", resident=False))
 
     hd = head_dim(m)
     inflight = min(pp, layout.micro_batches)
     tokens = p.micro_batch_size * layout.seq_len
     act = activation_bytes(m, tp, pp, inflight) * wb * tokens
-    b.trainer.append(Row("activations", act / GiB,
+    b.trainer.append(Row("activations", act / GiB, resident=False, note=
                          f"mbs {p.micro_batch_size} x seq {layout.seq_len} x {m.num_layers // pp} "
                          f"layers x {inflight} in flight, recompute {m.recompute}"
                          + (", sequence parallel" if m.sequence_parallel and tp > 1 else "")))
     vpad = padded_vocab(m.vocab_size, tp, m.make_vocab_size_divisible_by)
     logits = tokens * vpad / tp * (wb + 12)
-    b.trainer.append(Row("logits", logits / GiB, f"last stage, vocab {vpad}/{tp}, fp32 log-softmax + grad"))
+    b.trainer.append(Row("logits", logits / GiB, f"last stage, vocab {vpad}/{tp}, fp32 log-softmax + grad",
+                         resident=False))
 
     # Rollout engine: TP rollout.tp (as the trainer places it), replicas over the rest of the world.
     etp = rollout_tp(cfg)
@@ -256,25 +289,21 @@ def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = 80.0) -> Budget:
     b.engine.append(Row("engine weights", ew, f"{m.dtype} at engine TP={etp}"
                         + (f", experts over TP x {engine_dp} engine replicas (vLLM's MoE TP spans its DP)"
                            if m.num_experts else "")))
-    b.engine.append(Row("engine overhead", ENGINE_OVERHEAD_GIB, "activations, sampler, CUDA graphs"))
+    b.engine.append(Row("engine overhead", ENGINE_OVERHEAD_GIB, "activations, sampler, CUDA graphs "
+                        f"(whose {CUDA_GRAPH_POOL_GIB:g} GiB pool stays while the engine sleeps)"))
     b.engine.append(Row("KV cache", max(kv, 0.0), "what remains of the share"))
     kv_per_token = 2 * m.num_layers * max(m.num_query_groups // etp, 1) * hd * wb
     b.kv_tokens = int(max(kv, 0.0) * GiB // kv_per_token)
     b.kv_seqs = b.kv_tokens // r.max_model_len
     b.seqs_per_engine = -(-layout.samples_per_step // replicas)
 
-    resident = sum(x.gib for x in b.trainer[:4])
-    trainer_peak = sum(x.gib for x in b.trainer)
-    asleep = 0.0 if r.sleep_between_rollouts else share
-    b.rollout_phase_gib = resident + share + RUNTIME_RESERVE_GIB
-    b.training_phase_gib = trainer_peak + asleep + RUNTIME_RESERVE_GIB
-    # vLLM maps fresh memory at wake-up: torch's cache is emptied first (rollout/sleep.py),
-    # what torch still holds is counted, and the KV cache wakes only after the sync.
-    b.wake_up_gib = resident + (ew if r.sleep_between_rollouts else share) + RUNTIME_RESERVE_GIB
-    if separate:  # a trainer GPU never holds an engine: every phase is the trainer's alone
-        b.rollout_phase_gib = b.wake_up_gib = resident + RUNTIME_RESERVE_GIB
-        b.training_phase_gib = trainer_peak + RUNTIME_RESERVE_GIB
-    b.peak_gib = max(b.rollout_phase_gib, b.training_phase_gib, b.wake_up_gib)
+    # Forward-only log-probs: the logits, their fp32 upcast and log-softmax (no grad), and
+    # an offloaded reference brought back for them.
+    ref_extra = tokens * vpad / tp * (wb + 8) / GiB + (n * wb / GiB if ref_on and offload else 0.0)
+    b.phases = phase_rows(b.trainer, placement=r.placement, sleeps=r.sleep_between_rollouts, share=share,
+                          engine_weights=ew, reference_extra=ref_extra, sync_bucket=r.sync_bucket_mb / 1024,
+                          save_gather=SAVE_GATHER_GIB if ours else 0.0)
+    b.host_save_gib = b.row("optimizer") * dp if zero else 0.0
     return b
 
 
@@ -325,15 +354,15 @@ def report(cfg: Config, layout: Layout, budget: Budget, source: str = "") -> str
         f"{r.max_model_len} per engine replica"
         + ("" if budget.kv_seqs >= budget.seqs_per_engine else
            f" (< {budget.seqs_per_engine} per step: vLLM runs them in waves)"),
-        f"  rollout phase      {budget.rollout_phase_gib:8.2f}  trainer state + engine share + "
-        f"{RUNTIME_RESERVE_GIB:g} reserve",
-        f"  training phase     {budget.training_phase_gib:8.2f}  trainer + activations + logits"
-        f"{' (engine asleep)' if r.sleep_between_rollouts else ' + engine share'} + reserve",
-        f"  wake-up            {budget.wake_up_gib:8.2f}  trainer state still held (torch's cache "
-        f"emptied) + engine weights + reserve; KV cache after the sync",
-        f"  peak {budget.peak_gib:.2f} GiB, headroom {budget.headroom_gib:.2f} GiB: "
-        + ("fits" if budget.fits else "DOES NOT FIT"),
+        f"phases (GiB per GPU, each with a {RUNTIME_RESERVE_GIB:g} GiB reserve for the CUDA context, NCCL "
+        f"and fragmentation):",
     ]
+    lines += [f"  {ph.name + ' phase':<18} {ph.gib:8.2f}  {ph.note}" for ph in budget.phases]
+    if budget.host_save_gib:
+        lines.append(f"  host memory        {budget.host_save_gib:8.2f}  per rank while a save holds the "
+                     f"optimizer's whole state")
+    lines.append(f"  peak {budget.peak_gib:.2f} GiB ({budget.peak_phase}), headroom {budget.headroom_gib:.2f} GiB: "
+                 + ("fits" if budget.fits else "DOES NOT FIT"))
     return "\n".join(lines)
 
 
@@ -350,7 +379,6 @@ def budget_paragraph(cfg: Config, layout: Layout, b: Budget) -> str:
     else:
         n_note = f"{n / 1e9:.2f}B parameters"
     recompute = "no recompute" if m.recompute == "none" else f"recompute {m.recompute}"
-    phase = "rollout" if b.rollout_phase_gib >= b.training_phase_gib else "training"
     return (
         f"Memory per GPU (worst pipeline stage, {b.gpu_gib:g} GiB card, estimate): {n_note} "
         f"give {m.dtype} weights {g['policy weights']:.2f} GiB, fp32 gradients "
@@ -362,7 +390,9 @@ def budget_paragraph(cfg: Config, layout: Layout, b: Budget) -> str:
         f"{g['engine share']:.2f} GiB ({r.gpu_memory_utilization:g} of the GPU): weights "
         f"{g['engine weights']:.2f} at TP {b.engine_tp}, overhead {g['engine overhead']:.2f}, KV cache "
         f"{g['KV cache']:.2f} = {b.kv_tokens:,} tokens = {b.kv_seqs} sequences of {r.max_model_len} per "
-        f"replica ({b.seqs_per_engine} needed per step). Peak {b.peak_gib:.2f} GiB in the {phase} "
+        f"replica ({b.seqs_per_engine} needed per step). A checkpoint save, the engine released and the "
+        f"optimizer state gathered to host memory, takes {b.phase('save'):.2f} GiB. "
+        f"Peak {b.peak_gib:.2f} GiB in the {b.peak_phase} "
         f"phase (including a {RUNTIME_RESERVE_GIB:g} GiB runtime reserve), "
         f"{b.headroom_gib:.2f} GiB headroom.")
 
@@ -416,7 +446,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         path = _pop_option(argv, "--config")
         world = _pop_option(argv, "--world-size")
         gpn = int(_pop_option(argv, "--gpus-per-node") or 8)
-        gpu_gib = float(_pop_option(argv, "--gpu-memory-gib") or 80)
+        gpu_gib = float(_pop_option(argv, "--gpu-memory-gib") or GPU_GIB)
         cfg = load_config(path, argv)
         shape_src = (model_shape_from_hf(cfg) if cfg.model.hf_checkpoint
                      else "the config (model.hf_checkpoint not given)")

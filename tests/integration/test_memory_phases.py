@@ -4,8 +4,9 @@ what the loop actually builds from the same config.
 
 One launch at world 2 (TP1 x DP2, engine replicas of ``rollout.tp=2`` ranks, the
 distributed optimizer, ``rollout.sleep_between_rollouts``), two real steps of the demo
-loop with vLLM. On CPU vLLM has no sleep mode, so ``release``/``resume`` are recorded
-no-ops: the order of the calls is what is checked here.
+loop with vLLM, then a periodic checkpoint save as the loop runs it (``train.save``). On
+CPU vLLM has no sleep mode, so ``release``/``resume`` are recorded no-ops: the order of the
+calls is what is checked here.
 """
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ ASSETS = REPO / "grpo_mega" / "assets" / "demo_v1"
 
 
 def _two_steps(rank, world, run_dir):
+    import contextlib
+
     from grpo_mega.config import rollout_tp
-    from grpo_mega.preflight.budget import RUNTIME_RESERVE_GIB, GiB, derive_layout, memory_budget
-    from grpo_mega.train import grpo_step
+    from grpo_mega.preflight.budget import CUDA_GRAPH_POOL_GIB, RUNTIME_RESERVE_GIB, GiB, derive_layout, memory_budget
+    from grpo_mega.train import grpo_step, save
     from grpo_mega.trainer.trainer import build_trainer
 
     t = build_trainer([
@@ -47,17 +50,28 @@ def _two_steps(rank, world, run_dir):
         return step_fn(*a, **kw)
 
     t.optimizer.step = step_and_log
-    stages = []
+    gather = t.optimizer.full_state
+
+    @contextlib.contextmanager
+    def gather_and_log(*a, **kw):  # the save's gather of the whole optimizer state
+        t.engine.calls.append("save_gather")
+        with gather(*a, **kw) as opt:
+            yield opt
+
+    t.optimizer.full_state = gather_and_log
+    stages, grads_held = [], []
     for step in (1, 2):
         t.step = step
         m = grpo_step(t, step)
         stages.append([k[len("time/"):] for k in m if k.startswith("time/")])
+        grads_held.append(sum(b.master.grad is not None for b in t.optimizer.buckets))
     for h in hooks:
         h.remove()
+    save(t)  # a periodic save, as run() makes it
     budget = memory_budget(t.cfg, derive_layout(t.cfg, world))
     n_params = sum(p.numel() for p in t.model.parameters())
     out = {
-        "calls": list(t.engine.calls), "stages": stages,
+        "calls": list(t.engine.calls), "stages": stages, "grads_held": grads_held,
         "engine_ranks": len(t.engine._replica_ranks), "budget_engine_tp": budget.engine_tp,
         "rollout_tp": rollout_tp(t.cfg), "colocate": t.engine.config.colocate,
         "holds_engine": t.engine.holds_engine,
@@ -65,7 +79,7 @@ def _two_steps(rank, world, run_dir):
         "budget_optimizer_bytes": budget.row("optimizer") * GiB,
         "budget_params": budget.row("policy weights") * GiB / 4,  # fp32 demo model
         "budget_training_extra": (budget.training_phase_gib - RUNTIME_RESERVE_GIB
-                                  - sum(r.gib for r in budget.trainer)),
+                                  - sum(r.gib for r in budget.trainer) - CUDA_GRAPH_POOL_GIB),
     }
     t.engine.shutdown()
     return out
@@ -79,7 +93,10 @@ def test_gpu_ready_engine_sleeps_for_the_update_and_the_budget_counts_what_the_l
     sync, a release left out), or that wakes the engine twice per step (it must stay awake
     from the sync through the next rollouts); the GPU sequence (issue 27 defect 3 and
     deliver 6, ``gpu_ready``): torch's CUDA cache emptied before the weights wake, the
-    weights woken before the sync and the KV cache only after it; (b) a memory budget describing another
+    weights woken before the sync and the KV cache only after it; issue 39: a checkpoint save
+    whose optimizer gather runs beside the awake engine (the engine must be released first,
+    woken and synced again after it), or a reduced gradient slice (``master.grad``) still
+    held after the step, next to the engine; (b) a memory budget describing another
     program than the loop: engine TP taken from ``parallel.tp`` instead of ``rollout.tp``,
     an optimizer row that is not the optimizer's real per-rank state (sharded over DP),
     parameters counted differently from the model megatron builds, or an engine share
@@ -94,7 +111,10 @@ def test_gpu_ready_engine_sleeps_for_the_update_and_the_budget_counts_what_the_l
     calls = [c for i, c in enumerate(r["calls"]) if i == 0 or c != r["calls"][i - 1]]
     step = ["resume", "generate", "release", "policy_forward", "optimizer_step", "empty_cache",
             "wake_weights", "load", "wake_kv_cache"]
-    assert calls == step * 2, r["calls"]
+    save = ["release", "save_gather", "empty_cache", "wake_weights", "load", "wake_kv_cache"]
+    assert calls == step * 2 + save, r["calls"]
+    assert r["grads_held"] == [0, 0], r
+
     for names in r["stages"]:  # every stage is timed in the step's metrics
         assert {"rollout", "release", "logprobs", "update", "resume", "sync"} <= set(names), names
     # (b) the budget's engine TP is the engine the loop built
@@ -106,6 +126,6 @@ def test_gpu_ready_engine_sleeps_for_the_update_and_the_budget_counts_what_the_l
     assert r["state_bytes"] <= 12 * r["n_params"] / 2 + 24
     # The engine the loop built sleeps on a GPU (rollout/sleep.py: it holds an engine and was
     # built colocated; on CPU only the CPU check stops it), so the training phase holds no
-    # engine share.
+    # engine share, only the CUDA-graph pool sleep mode keeps.
     assert r["holds_engine"] and r["colocate"], r
     assert r["budget_training_extra"] == pytest.approx(0.0, abs=1e-12), r

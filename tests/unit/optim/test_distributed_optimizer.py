@@ -147,11 +147,16 @@ def _updates_match(rank, world, layouts):
     ref_weights, ref_coefs = _independent_reference(canon, STEPS)
     report = {}
     for tp, pp, dtype in layouts:
-        runs = {}
+        runs, held = {}, {}
         for distributed in (False, True):
             ps, model, opt = _fresh(tp, pp, dtype, canon, distributed)
             infos = _train(model, opt, ps, STEPS)
+            held[distributed] = sum(g is not None for g in _reduced_grads(opt))
             runs[distributed] = (_canonical(model, opt, ps, 2), infos, opt.state_bytes())
+        # The save's gather in chunks of 3 elements per rank (a last chunk shorter) equals
+        # the default, whole-slice-at-once one.
+        opt.gather_chunk_bytes = 4 * ps.dp * 3
+        chunked = _canonical(model, opt, ps, 2)
         buckets = len(opt.buckets)
         (ref, ref_info, ref_bytes), (got, got_info, got_bytes) = runs[False], runs[True]
         common = sorted(set(ref) & set(got))
@@ -178,8 +183,17 @@ def _updates_match(rank, world, layouts):
             "numel": sum(p.numel() for p in model.parameters()),
             "dp": ps.dp,
             "buckets": buckets,
+            "grads held after step": held,
+            "chunked gather diff": max_abs_diff_all(chunked, got, keys=sorted(got)),
+            "chunks": -(-max(b.shard for b in opt.buckets) // 3),
         }
     return report
+
+
+def _reduced_grads(opt) -> list:
+    """The gradients an optimizer reduced for its step: ``DistributedAdamW``'s slices
+    (``master.grad``), ``ParallelAdamW``'s fp32 main grads."""
+    return [b.master.grad for b in opt.buckets] if hasattr(opt, "buckets") else [p.grad for p in opt.main]
 
 
 def _bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -262,6 +276,21 @@ def test_distributed_optimizer_state_bytes_are_one_dp_th(world2, world4):
         print(f"{key}: per-rank optimizer bytes unsharded {v['bytes'][0]}, sharded {v['bytes'][1]}")
     v = world2[0]["bfloat16 tp1 pp1 dp2"]
     assert 0 <= v["bytes"][1] * 2 - v["bytes"][0] < 12 * v["dp"] * v["buckets"], v
+
+
+@pytest.mark.slow
+def test_optimizers_free_reduced_grads_after_step_and_gather_state_to_host_in_chunks(world2, world4):
+    """Guards against (issue 39) the reduced gradient slice (``master.grad``, 4 B/param / dp)
+    or ``ParallelAdamW``'s fp32 main grads (4 B/param) kept allocated after ``step``, where
+    they sat next to the engine through rollouts and the checkpoint save; and against a
+    chunked ``full_state`` gather (the save's, to host memory) that puts a chunk at the wrong
+    offset or drops the last, shorter chunk: 3-element chunks must give the same whole
+    state as the default chunk, bitwise, at DP2, TP2xDP2 and PP2xDP2."""
+    for r in world2 + world4:
+        for key, v in r.items():
+            assert v["grads held after step"] == {False: 0, True: 0}, (key, v["grads held after step"])
+            assert v["chunks"] > 2, (key, v["chunks"])  # many chunks, so the loop is exercised
+            assert v["chunked gather diff"] == 0.0, (key, v["chunked gather diff"])
 
 
 def _checkpoint_across_dp(rank, world, root):
