@@ -40,6 +40,12 @@ class ParallelConfig:
     ep. Experts are also TP-sharded (expert TP = ``tp``)."""
     micro_batch_size: int = 4
     """Sequences per micro-batch through the pipeline schedule."""
+    packing: bool = False
+    """Run each micro-batch packed (THD): its sequences back to back with no padding between
+    them, attention kept within each sequence and RoPE positions restarting per sequence,
+    instead of every row padded to the micro-batch's longest. Same rows per micro-batch, same
+    loss and normalisers: the update equals the padded one (fp64 tests). Metric ``pad_frac``
+    shows the padding either way. See docs/guides/packing.md."""
     timeout_minutes: float = 10.0
     """Collective timeout, so a dead rank makes the others fail instead of hanging."""
     seed: int = 1234

@@ -58,6 +58,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "ratio_mean": ("ratio", "mean importance ratio pi_theta / pi_old (1 on-policy)"),
     "rollout_logp_gap": ("nats / token", "mean |trainer log-prob - vLLM log-prob| of the sampled tokens: "
                                          "engine/trainer mismatch (and top-p/top-k truncation)"),
+    "pad_frac": ("fraction", "share of the positions the update's passes computed that were padding "
+                             "(rows padded to their micro-batch's longest; with parallel.packing only the "
+                             "tail FP8 / sequence parallelism needs)"),
     "tis_weight_mean": ("ratio", "mean truncated importance weight proximal / behaviour of the decoupled "
                                  "objective (algorithm.tis_cap set)"),
     "tis_clipfrac": ("fraction", "tokens whose importance weight hit algorithm.tis_cap"),

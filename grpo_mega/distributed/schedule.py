@@ -10,7 +10,9 @@ stage in order.
 Micro-batches may differ in sequence length (each is padded only to its own
 longest sample), so the schedule communicates shapes between stages. A micro-batch
 is any object with a ``tokens: [b, s]`` attribute (the trainer's ``TrainingBatch``
-slices) or a dict with a ``"tokens"`` key (tests, benchmarks).
+slices) or a dict with a ``"tokens"`` key (tests, benchmarks). A micro-batch whose
+``packed`` attribute is not None (``parallel.packing``, ``models.packing.PackedRows``) runs
+as one THD sequence ``[1, T]`` instead, with its ``PackedSeqParams``.
 
     loss_fn(logits_shard: [b, s, V_pad/tp], mb) -> (loss: 0-d, outputs: dict)
 
@@ -54,7 +56,25 @@ def causal_mask(seq_len: int, device) -> torch.Tensor:
 
 
 def _tokens(mb: Any) -> torch.Tensor:
+    """The tokens the model runs on: ``[b, s]``, or ``[1, T]`` of a packed micro-batch."""
+    packed = getattr(mb, "packed", None)
+    if packed is not None:
+        return packed.tokens
     return mb["tokens"] if isinstance(mb, dict) else mb.tokens
+
+
+def model_inputs(mb: Any, device) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], dict]:
+    """(tokens, position_ids, attention_mask, extra kwargs) of one forward of ``mb``: padded
+    rows ``[b, s]`` with positions 0..s-1 and a causal mask, or a packed micro-batch
+    (``mb.packed``, see ``models.packing``) as ``[1, T]`` with positions restarting per row,
+    no mask, and its ``PackedSeqParams`` (the boundaries the attention keeps to)."""
+    tokens = _tokens(mb).to(device)
+    packed = getattr(mb, "packed", None)
+    if packed is not None:
+        return tokens, packed.position_ids, None, {"packed_seq_params": packed.params}
+    b, s = tokens.shape
+    pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    return tokens, pos, causal_mask(s, tokens.device), {}
 
 
 def run_microbatches(model, micro_batches: list[Any], loss_fn: Callable, ps: ParallelState,
@@ -88,18 +108,15 @@ def run_microbatches(model, micro_batches: list[Any], loss_fn: Callable, ps: Par
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        tokens = _tokens(mb).to(ps.device)
-        b, s = tokens.shape
-        pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-        mask = causal_mask(s, tokens.device)
+        tokens, pos, mask, kw = model_inputs(mb, ps.device)
         policy = model.module if piped else model
         with around_forward(mb) if around_forward is not None else contextlib.nullcontext(), \
                 _at(policy, mb):
-            out = policy(tokens, pos, mask)
+            out = policy(tokens, pos, mask, **kw)
         ref_logits = None
         if reference is not None:
             with torch.no_grad(), _at(reference, mb):
-                ref_logits = reference(tokens, pos, mask)
+                ref_logits = reference(tokens, pos, mask, **kw)
             if piped and not ps.is_last_stage:
                 # Hidden states [s, b, h] of both models go to the next stage as one tensor.
                 return torch.cat([out, ref_logits.to(out.dtype)], dim=1), partial(loss_func, mb, None)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from grpo_mega.config import ModelConfig
 from grpo_mega.distributed.state import ParallelState
 from grpo_mega.distributed.schedule import causal_mask
+from grpo_mega.models.packing import use_packed_core_attention
 from grpo_mega.models.precision import choose_te, fp8_enabled, fp8_transformer_fields
 from grpo_mega.models.rope import finish_rotary, gpt_model_rope_kwargs, set_yarn_fields
 
@@ -179,6 +180,7 @@ def layer_spec(m: ModelConfig, use_te: bool):
         spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, **moe)
     else:
         spec = specs.get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm", **moe)
+        use_packed_core_attention(spec)  # THD micro-batches (parallel.packing); else unchanged
         if m.num_experts:
             # The local spec saves pre_mlp_layernorm under TE's fused key, which a dense TE
             # layer has; the TE MoE layer keeps a real pre_mlp_layernorm (its key unchanged).

@@ -28,12 +28,13 @@ Finding the rows costs a host sync per forward (``nonzero``), as does the loss's
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch import Tensor
 
 from grpo_mega.models.gpt import unwrap_model
+from grpo_mega.models.packing import PackedRows, trainable_rows_packed
 
 __all__ = ["trainable_rows", "trainable_logits"]
 
@@ -50,16 +51,21 @@ def trainable_rows(loss_mask: Tensor) -> Tensor:
 
 
 @contextlib.contextmanager
-def trainable_logits(model, loss_mask: Tensor) -> Iterator[None]:
+def trainable_logits(model, loss_mask: Tensor, packed: Optional[PackedRows] = None) -> Iterator[None]:
     """Inside, one forward of ``model`` on tokens ``[b, s]`` returns logits ``[1, K, V_pad/tp]``
     at the positions where ``loss_mask: [b, s-1]`` is True (the same on every TP rank); a
-    stage without an output layer is left alone."""
+    stage without an output layer is left alone. ``packed``: the forward runs on the packed
+    ``[1, T]`` layout of those rows (``models.packing``); the logits are the same rows in the
+    same order."""
     gpt = unwrap_model(model)
     layer = getattr(gpt, "output_layer", None)
     if not getattr(gpt, "post_process", False) or layer is None:
         yield
         return
-    rows = trainable_rows(loss_mask)
+    if packed is None:
+        rows, positions = trainable_rows(loss_mask), loss_mask.shape[0] * (loss_mask.shape[1] + 1)
+    else:
+        rows, positions = trainable_rows_packed(loss_mask, packed.starts), packed.total
     split = bool(getattr(layer, "sequence_parallel", False))
 
     def select(module, args, kwargs):
@@ -69,10 +75,10 @@ def trainable_logits(model, loss_mask: Tensor) -> Iterator[None]:
 
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
                                                           group=module.tp_group)
-        b = loss_mask.shape[0]
-        if hidden.shape[0] * hidden.shape[1] != b * (loss_mask.shape[1] + 1):
-            raise ValueError(f"output layer input {tuple(hidden.shape)} does not hold the [s, b] = "
-                             f"[{loss_mask.shape[1] + 1}, {b}] positions of loss_mask {tuple(loss_mask.shape)}")
+        if hidden.shape[0] * hidden.shape[1] != positions:
+            raise ValueError(f"output layer input {tuple(hidden.shape)} does not hold the {positions} "
+                             f"positions of loss_mask {tuple(loss_mask.shape)}"
+                             + (f" packed into {packed.total}" if packed is not None else ""))
         picked = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rows).unsqueeze(1)  # [K, 1, h]
         return (picked, *args[1:]), kwargs
 

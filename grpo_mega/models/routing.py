@@ -79,9 +79,11 @@ def _replays(model) -> list[tuple[int, object]]:
 
 
 @contextlib.contextmanager
-def recording(model, out: Tensor) -> Iterator[None]:
+def recording(model, out: Tensor, packed=None) -> Iterator[None]:
     """Record this stage's routing of one forward into ``out: [b, s, L, k]`` (its layers'
-    slots; ``b, s`` the forward's token shape); the routers are idle again afterwards."""
+    slots; ``b, s`` the forward's token shape); the routers are idle again afterwards.
+    ``packed`` (``models.packing.PackedRows``): the forward ran on the packed rows; each real
+    token's routing goes to its grid slot, the tail's nowhere."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     found = _replays(model)
@@ -94,7 +96,10 @@ def recording(model, out: Tensor) -> Iterator[None]:
             idx = rr.get_recorded_indices()
             if idx is None:
                 raise RuntimeError(f"layer {layer}'s router recorded nothing in this forward")
-            out[:, :, layer].copy_(from_router_rows(idx, b, s))
+            if packed is None:
+                out[:, :, layer].copy_(from_router_rows(idx, b, s))
+            else:
+                out[packed.rows, packed.cols, layer] = idx[:packed.rows.shape[0]].to(out.dtype)
     finally:
         for _, rr in found:
             rr.clear_router_replay_action()
@@ -102,15 +107,17 @@ def recording(model, out: Tensor) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def replaying(model, routed: Tensor) -> Iterator[None]:
+def replaying(model, routed: Tensor, packed=None) -> Iterator[None]:
     """Force the routing ``routed: [b, s, L, k]`` on this stage's routers for one forward
     (their layers' slots); the routers are idle again afterwards. Only the forward: a
     recompute of the layer in the backward would route anew (``model.recompute=full``
-    is refused with routing replay)."""
+    is refused with routing replay). ``packed``: the forward runs on the packed rows
+    (``models.packing.PackedRows``); the tail's positions, scored by nothing, go to experts
+    0..k-1."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     found = _replays(model)
-    rows = to_router_rows(routed)
+    rows = to_router_rows(routed) if packed is None else _packed_router_rows(routed, packed)
     mine = [layer for layer, _ in found]
     # one host sync per micro-batch; a -1 left in would fail deep inside the router (a
     # device-side assert on GPU)
@@ -126,6 +133,13 @@ def replaying(model, routed: Tensor) -> Iterator[None]:
         for _, rr in found:
             rr.clear_router_replay_action()
             rr.clear_indices()
+
+
+def _packed_router_rows(routed: Tensor, packed) -> Tensor:
+    """``routed: [b, s, L, k]`` -> ``[L, T, k]`` int64 in the packed order of ``packed``."""
+    real = routed[packed.rows, packed.cols]                       # [total, L, k]
+    tail = torch.arange(real.shape[-1], device=real.device).expand(packed.pad, *real.shape[1:])
+    return torch.cat([real.long(), tail], dim=0).permute(1, 0, 2).contiguous()
 
 
 def empty_routing(n: int, s: int, num_layers: int, topk: int, device) -> Tensor:

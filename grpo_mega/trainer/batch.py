@@ -10,7 +10,10 @@ is a response token.
 Mini-batches (PPO epochs / several optimizer steps) and micro-batches are row
 slices of the same storage. A micro-batch is also trimmed to its own longest
 sequence (rounded up to the FP8 multiple), so the work per micro-batch does not
-grow with the longest sequence of the step. Reference / old log-probs computed on
+grow with the longest sequence of the step. With ``parallel.packing`` (``packing``)
+a micro-batch keeps its rows but the model runs them as one THD sequence with no
+padding between them (``packed``, ``models.packing``); the loss still reads the
+row grid, so both layouts train on the same tokens with the same normalisers. Reference / old log-probs computed on
 the last pipeline stage are written straight into the batch's device tensors, and
 update metrics stay on the device until ``update_policy`` returns.
 
@@ -23,6 +26,7 @@ grid: ``routed_experts[i, t]`` holds the experts chosen *at* token ``t`` (the ro
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -36,6 +40,7 @@ from grpo_mega.distributed.schedule import run_microbatches
 from grpo_mega.distributed.state import ParallelState
 from grpo_mega.models import routing as R
 from grpo_mega.models.head import trainable_logits
+from grpo_mega.models.packing import PackedRows, pack_rows
 
 _PER_TOKEN = ("targets", "loss_mask", "rollout_logp", "old_logp", "ref_logp")
 
@@ -54,19 +59,22 @@ class TrainingBatch:
     old_logp: Optional[Tensor] = None  # [N, S-1] float32, filled by compute_logprobs
     ref_logp: Optional[Tensor] = None  # [N, S-1] float32, filled by compute_logprobs
     routed_experts: Optional[Tensor] = None  # [N, S, L, k] int16 expert ids (-1: not recorded), see above
+    packing: bool = False     # run each micro-batch packed (THD, ``parallel.packing``)
 
     @classmethod
     def pack(cls, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
              rollout_logp: Sequence[Sequence[float]], advantages: Sequence[float] | Tensor, *,
              pad_id: int, device: torch.device | str = "cpu", pad_to_multiple: int = 1,
-             response_mask: Optional[Sequence[Sequence[int]]] = None) -> "TrainingBatch":
+             response_mask: Optional[Sequence[Sequence[int]]] = None,
+             packing: bool = False) -> "TrainingBatch":
         """Pad every row to the step's longest sequence (rounded up to ``pad_to_multiple``)
         on the host, then move the batch to ``device`` once.
 
         ``response_mask`` (multi-turn episodes): per response token, 1 where the model
         sampled it, 0 where the environment's tokens were appended; the loss mask then
         leaves the 0 tokens out (their rollout log-probs are kept as given, 0.0).
-        None or empty: every response token is the model's.
+        None or empty: every response token is the model's. ``packing``: the model passes
+        run each micro-batch packed (``packed``).
 
         ``advantages``: [N] per sequence, or a [N, T] tensor per response token (T >= the
         longest response; row i's first len(response_ids[i]) columns are used), placed on
@@ -107,7 +115,7 @@ class TrainingBatch:
         tokens = tokens.to(device)
         return cls(tokens=tokens, targets=tokens[:, 1:], loss_mask=mask.to(device),
                    advantages=adv.to(device), rollout_logp=rlp.to(device), seq_lens=lens,
-                   pad_multiple=pad_to_multiple)
+                   pad_multiple=pad_to_multiple, packing=packing)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -116,7 +124,8 @@ class TrainingBatch:
         """Write the batch as plain tensors (loads with ``weights_only=True``), for replaying
         one step's update at another layout (``logging.record_batches``)."""
         data = {k: v.detach().cpu() for k, v in dataclasses.asdict(self).items() if isinstance(v, Tensor)}
-        data.update(seq_lens=torch.tensor(self.seq_lens), pad_multiple=torch.tensor(self.pad_multiple))
+        data.update(seq_lens=torch.tensor(self.seq_lens), pad_multiple=torch.tensor(self.pad_multiple),
+                    packing=torch.tensor(self.packing))
         torch.save(data, path)
 
     @classmethod
@@ -127,12 +136,26 @@ class TrainingBatch:
         opt = {k: d[k].to(device) for k in ("old_logp", "ref_logp", "routed_experts") if k in d}
         return cls(tokens=tokens, targets=tokens[:, 1:], loss_mask=d["loss_mask"].to(device),
                    advantages=d["advantages"].to(device), rollout_logp=d["rollout_logp"].to(device),
-                   seq_lens=d["seq_lens"].tolist(), pad_multiple=int(d["pad_multiple"]), **opt)
+                   seq_lens=d["seq_lens"].tolist(), pad_multiple=int(d["pad_multiple"]),
+                   packing=bool(d.get("packing", False)), **opt)
 
     @property
     def num_tokens(self) -> int:
         """Prompt + response tokens (unpadded), from the host copy."""
         return sum(self.seq_lens)
+
+    @functools.cached_property
+    def packed(self) -> Optional[PackedRows]:
+        """This batch's rows as one THD sequence (``models.packing``), tail-padded to
+        ``pad_multiple``; None without ``packing`` (the model runs the padded ``tokens``)."""
+        return pack_rows(self.tokens, self.seq_lens, self.pad_multiple) if self.packing else None
+
+    @property
+    def computed_positions(self) -> int:
+        """Positions a model pass computes for this batch: ``b * s`` padded, ``T`` packed."""
+        if self.packing:
+            return self.packed.total
+        return self.tokens.numel()
 
     def empty_routing(self, num_layers: int, topk: int) -> Tensor:
         """A [N, S, L, k] int16 buffer of -1 on the batch's device, for recorded routing."""
@@ -160,10 +183,14 @@ class TrainingBatch:
         return [self.slice(i, min(i + size, len(self))) for i in range(0, len(self), size)]
 
 
-def _logits_at(all_positions: bool):
+def _logits_at(micro: list[TrainingBatch], all_positions: bool):
     """The schedule's ``logits_at``: the output layer at the trainable positions only
-    (``models.head``), or None for every position (``all_positions``, the path before)."""
-    return None if all_positions else (lambda model, mb: trainable_logits(model, mb.loss_mask))
+    (``models.head``), or None for every position (``all_positions``, the path before;
+    refused for packed micro-batches, whose every-position logits are not the row grid)."""
+    if all_positions and any(mb.packing for mb in micro):
+        raise ValueError("all_positions=True scores the padded [b, s] grid; it cannot run packed "
+                         "micro-batches (--parallel.packing=false)")
+    return None if all_positions else (lambda model, mb: trainable_logits(model, mb.loss_mask, mb.packed))
 
 
 def _scored_targets(logits: Tensor, mb: TrainingBatch, all_positions: bool) -> Tensor:
@@ -246,9 +273,9 @@ def compute_logprobs(model, micro: list[TrainingBatch], ps: ParallelState, *, vo
         getattr(mb, key).copy_(logp)
         return logits.new_zeros(()), {}
 
-    around = (lambda mb: R.recording(model, mb.routed_experts)) if record_routing else None
+    around = (lambda mb: R.recording(model, mb.routed_experts, mb.packed)) if record_routing else None
     run_microbatches(model, micro, loss_fn, ps, forward_only=True, around_forward=around,
-                     logits_at=_logits_at(all_positions))
+                     logits_at=_logits_at(micro, all_positions))
 
 
 def micro_loss(logits: Tensor, mb: TrainingBatch, ps: ParallelState, algo, *,
@@ -333,14 +360,16 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
         gap = ((logp.detach() - mb.rollout_logp).abs() * mb.loss_mask).sum().double()
         stats = {k: torch.as_tensor(v, device=n_valid.device).detach().double() * n_valid
                  for k, v in m.items() if k not in ("pg_loss", "kl_loss")}
-        stats.update(loss=loss.detach().double(), n_tokens=n_valid, rollout_gap_sum=gap)
+        stats.update(loss=loss.detach().double(), n_tokens=n_valid, rollout_gap_sum=gap,
+                     positions=n_valid.new_tensor(mb.computed_positions),
+                     seq_tokens=n_valid.new_tensor(mb.num_tokens))
         return loss, stats
 
     optimizer.zero_grad()
-    around = (lambda mb: R.replaying(model, mb.routed_experts)) if replay_routing else None
+    around = (lambda mb: R.replaying(model, mb.routed_experts, mb.packed)) if replay_routing else None
     outs = run_microbatches(model, micro, loss_fn, ps, forward_only=False,
                             reference=reference if exact else None, around_forward=around,
-                            logits_at=_logits_at(all_positions))
+                            logits_at=_logits_at(micro, all_positions))
     info = optimizer.step()
     sums: dict[str, Tensor] = {}
     for o in outs:
@@ -355,7 +384,10 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
         sums = dict(zip(keys, flat.unbind()))
     if sums:
         n = sums.pop("n_tokens").clamp(min=1.0)
+        # share of the positions the passes computed that were padding (parallel.packing)
+        positions, seq_tokens = sums.pop("positions"), sums.pop("seq_tokens")
         metrics = {k: v / n for k, v in sums.items() if k not in ("loss", "rollout_gap_sum")}
+        metrics["pad_frac"] = 1.0 - seq_tokens / positions.clamp(min=1.0)
         metrics["loss"] = sums["loss"]
         metrics["rollout_logp_gap"] = sums["rollout_gap_sum"] / n
     metrics.update(grad_norm=info["grad_norm"], skipped=float(info["skipped"]))

@@ -219,7 +219,7 @@ def advantage(t: Trainer, batch: RolloutBatch | KeptGroups, rewards: list) -> Tr
         adv = A.group_advantages(torch.tensor(rewards), t.cfg.rollout.n, norm=algo.norm, baseline=algo.baseline)
     return TrainingBatch.pack(batch.prompt_ids, batch.response_ids, batch.logprobs, adv, pad_id=t.pad_id,
                               device=t.ps.device, pad_to_multiple=seq_multiple(t.cfg.model, t.ps.tp),
-                              response_mask=batch.response_mask)
+                              response_mask=batch.response_mask, packing=t.cfg.parallel.packing)
 
 
 def record(t: Trainer, step: int, batch: TrainingBatch) -> None:

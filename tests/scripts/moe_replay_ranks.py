@@ -11,6 +11,9 @@ map's True columns, rows in the router's sequence-major order). Each rank report
 mode, the observed routing of each pass per micro-batch, the recorded
 ``batch.routed_experts``, and the update's mean |logp - old_logp| on mini-batch 2 (the
 batch's rollout log-probs are set to the old-policy ones, so ``rollout_logp_gap`` measures it).
+At EP2, ``record-in-trainer`` also runs with ``parallel.packing`` (key suffix `` packed``): its
+observed routing is in packed order (``[1, T, k]`` per micro-batch), and it reports each
+micro-batch's packed-to-grid index.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from types import SimpleNamespace
 import torch
 
 LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (1, 2, 1)]  # (tp, pp, ep) at world 2
+PACKED = (1, 1, 2)  # also run packed (parallel.packing), record-in-trainer, at EP2
 GLOBAL, MINI, MICRO = 8, 4, 2
 LR = 3e-3  # large, so that one step flips some tokens' experts
 
@@ -64,7 +68,7 @@ def _per_micro(log: list, shapes: list[tuple[int, int]]) -> list[dict]:
     return out
 
 
-def _run(root: Path, tp: int, pp: int, ep: int, mode: str) -> dict:
+def _run(root: Path, tp: int, pp: int, ep: int, mode: str, packing: bool = False) -> dict:
     from megatron.core import parallel_state as mpu
 
     from grpo_mega.checkpoint.convert import load_hf_weights
@@ -83,7 +87,7 @@ def _run(root: Path, tp: int, pp: int, ep: int, mode: str) -> dict:
     cfg = load_config(None, [f"--algorithm.routing_replay={mode}", "--algorithm.kl_coef=0",
                              f"--data.prompts_per_step={GLOBAL}", "--rollout.n=1",
                              f"--data.mini_batch_size={MINI}", f"--parallel.micro_batch_size={MICRO}",
-                             f"--optimizer.lr={LR}"])
+                             f"--optimizer.lr={LR}", f"--parallel.packing={str(packing).lower()}"])
     cfg.model = model_config_from_hf(json.loads((root / "hf" / "config.json").read_text()))
     model = build_model(cfg.model, ps)
     load_hf_weights(model, root / "hf", ps, cfg.model)
@@ -96,12 +100,12 @@ def _run(root: Path, tp: int, pp: int, ep: int, mode: str) -> dict:
     prompts, responses, adv = global_batch_lists(cfg.model.vocab_size)
     rows = slice(ps.dp_rank * GLOBAL // ps.dp, (ps.dp_rank + 1) * GLOBAL // ps.dp)
     batch = TrainingBatch.pack(prompts[rows], responses[rows], [[0.0] * len(r) for r in responses[rows]],
-                               adv[rows], pad_id=0)
+                               adv[rows], pad_id=0, packing=cfg.parallel.packing)
     log: list = []
     handles = _observe(model, log)
     batch.ref_logp = batch.empty_logp()  # unused by the loss (kl_coef 0): the gap's reference
     plan = stages.logprobs(t, batch)
-    shapes = [tuple(mb.tokens.shape) for mb in plan.flat]
+    shapes = [tuple((mb.packed if mb.packing else mb).tokens.shape) for mb in plan.flat]
     old_seen = _per_micro(log, shapes)
     log.clear()
     if ps.is_last_stage:
@@ -122,7 +126,9 @@ def _run(root: Path, tp: int, pp: int, ep: int, mode: str) -> dict:
             "old_seen": old_seen, "update_seen": update_seen,
             "routed": None if batch.routed_experts is None else batch.routed_experts.clone(),
             "replayed_flag": plan.replay_routing, "gap_mb2": float(metrics.get("rollout_logp_gap", 0.0)),
-            "is_last_stage": ps.is_last_stage, "ref_gap_sum": ref_sum, "ref_gap_tokens": ref_n}
+            "is_last_stage": ps.is_last_stage, "ref_gap_sum": ref_sum, "ref_gap_tokens": ref_n,
+            "packed_index": [(mb.packed.rows + start, mb.packed.cols) for start, mb in _row_starts(plan)
+                             if mb.packing]}
 
 
 def _reference_after_first_step(t, plan, log: list) -> None:
@@ -143,7 +149,8 @@ def _reference_after_first_step(t, plan, log: list) -> None:
             mark = len(log)
             with torch.no_grad():
                 for mb in plan.minis[1]:
-                    ctx = R.replaying(t.model, mb.routed_experts) if plan.replay_routing else contextlib.nullcontext()
+                    ctx = (R.replaying(t.model, mb.routed_experts, mb.packed) if plan.replay_routing
+                           else contextlib.nullcontext())
                     with ctx:
                         compute_logprobs(t.model, [mb], t.ps, vocab_size=t.cfg.model.vocab_size,
                                          temperature=1.0, key="ref_logp")
@@ -168,8 +175,11 @@ def _rank_main(rank: int, world: int, root: str) -> dict:
         write_hf_checkpoint(root / "hf", "qwen3_moe", tie=False, seed=5, hidden_size=64,
                             max_position_embeddings=64)
     torch.distributed.barrier()
-    return {f"tp{tp} pp{pp} ep{ep} {mode}": _run(root, tp, pp, ep, mode)
+    runs = {f"tp{tp} pp{pp} ep{ep} {mode}": _run(root, tp, pp, ep, mode)
             for tp, pp, ep in LAYOUTS for mode in ("off", "record-in-trainer")}
+    tp, pp, ep = PACKED
+    runs[f"tp{tp} pp{pp} ep{ep} record-in-trainer packed"] = _run(root, tp, pp, ep, "record-in-trainer", True)
+    return runs
 
 
 def launch() -> list[dict]:

@@ -4,7 +4,8 @@ each micro-batch, against the same update computed directly on the whole batch w
 gathered, unsharded float64 logits (full-vocabulary KL written from scratch).
 
 One launch of 2 ranks runs every check; the tests below each assert one part of it. The
-same launch then runs ``test_trainable_logits.py``'s checks.
+same launch then runs ``test_trainable_logits.py``'s checks and ``test_packing.py``'s TP=2,
+PP=2 and DP=2 ones (asserted here, so one pytest worker makes the launch).
 """
 from __future__ import annotations
 
@@ -136,9 +137,11 @@ def _full_kl_rank(rank, world):
 
 
 def _shared_rank(rank, world):
+    from tests.unit.trainer.test_packing import packing_rank
     from tests.unit.trainer.test_trainable_logits import trainable_rank
 
-    return {"full_kl": _full_kl_rank(rank, world), "trainable": trainable_rank(rank, world)}
+    return {"full_kl": _full_kl_rank(rank, world), "trainable": trainable_rank(rank, world),
+            "packing": packing_rank(rank, world)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -189,3 +192,18 @@ def test_full_kl_update_leaves_the_reference_untouched():
     for r in _launch():
         assert not r["ref_ran_with_grad"]
         assert r["ref_grads_none"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+def test_packed_update_equals_padded_at_tp2_pp2_dp2_fp64(layout):
+    """Guards packing (``parallel.packing``) under model and data parallelism: attention
+    across a sequence boundary or RoPE not restarted on a TP shard or a later pipeline stage,
+    packed hidden states mis-sized between PP stages (the reference's travel with them), a
+    pad token in the loss, or a normaliser counted per micro-batch or per DP rank instead of
+    globally: packed log-probs within 1e-12 and update gradients within 1e-10 of the padded
+    path (test_packing.py, float64; at DP=2 each rank holds half the rows)."""
+    from tests.unit.trainer.test_packing import check_packed_equals_padded
+
+    for r in shared_launch():
+        check_packed_equals_padded(r["packing"][layout])

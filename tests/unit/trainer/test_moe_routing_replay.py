@@ -184,3 +184,26 @@ def test_moe_old_vs_update_logprob_gap_is_reported(reports, capsys):
                      f"flips without replay {flips} (summed over ranks; TP ranks repeat)")
     with capsys.disabled():
         print("\n" + "\n".join(lines))
+
+
+def test_moe_packed_routing_replay_equals_padded_at_ep2(reports):
+    """Guards routing replay with packing (``parallel.packing``) at EP2: the packed forward's
+    routing written to the wrong grid slots (packed order read as the padded sequence-major
+    order), a replay that feeds the packed forward the grid's order or gives the tail's
+    padding unrecorded (-1) experts, or packed rows routed differently from padded ones: at
+    every real token the packed run records the padded run's experts, its old-policy and
+    update forwards use exactly those, and mini-batch 2's log-prob gap equals the padded run's."""
+    layout = "tp{} pp{} ep{}".format(*M.PACKED)
+    for r in reports:
+        pad, pk = r[f"{layout} record-in-trainer"], r[f"{layout} record-in-trainer packed"]
+        assert pk["replayed_flag"] and len(pk["packed_index"]) == len(pk["shapes"]) > 1
+        for j, (rows, cols) in enumerate(pk["packed_index"]):
+            assert torch.equal(pk["routed"][rows, cols], pad["routed"][rows, cols]), j
+            for seen_pass in ("old_seen", "update_seen"):
+                assert pk[seen_pass][j], "no router ran"
+                for layer, seen in pk[seen_pass][j].items():
+                    want = pk["routed"][rows, cols, layer].long().sort(-1).values  # [total, k]
+                    assert torch.equal(seen[0, :len(rows)], want), (seen_pass, layer, j)
+        assert_close(torch.tensor(pk["gap_mb2"], dtype=torch.float64),
+                     torch.tensor(pad["gap_mb2"], dtype=torch.float64), rtol=1e-4, atol=1e-7)
+        assert pk["gap_mb2"] > 1e-3

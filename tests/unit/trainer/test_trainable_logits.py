@@ -66,12 +66,9 @@ def _rows_reaching_output_layer(model, log):
     return layer.register_forward_hook(lambda mod, args, out: log.append(out[0].shape[0] * out[0].shape[1]))
 
 
-def _paths(ps) -> dict:
-    """Old-policy log-probs and one ``kl_kind: full`` update, at every position and at the
-    trainable ones only; rows counted at the output layers of the policy and the reference."""
-    from grpo_mega.config import AlgorithmConfig
+def policy_and_reference(ps):
+    """A float64 policy and a frozen reference some way off it, the same on every rank."""
     from grpo_mega.models import build_model
-    from grpo_mega.trainer.batch import compute_logprobs, metrics_to_floats, update_policy
 
     torch.manual_seed(21)
     model = build_model(_model_cfg(), ps).double()
@@ -81,6 +78,16 @@ def _paths(ps) -> dict:
     with torch.no_grad():
         for _, p in sorted(ref.named_parameters(), key=lambda kv: kv[0]):
             p.add_(p.abs().mean().clamp(min=0.02) * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return model, ref
+
+
+def _paths(ps) -> dict:
+    """Old-policy log-probs and one ``kl_kind: full`` update, at every position and at the
+    trainable ones only; rows counted at the output layers of the policy and the reference."""
+    from grpo_mega.config import AlgorithmConfig
+    from grpo_mega.trainer.batch import compute_logprobs, metrics_to_floats, update_policy
+
+    model, ref = policy_and_reference(ps)
     algo = AlgorithmConfig(kl_coef=0.5, kl_kind="full", clip_low=0.2, clip_high=0.28)
     kw = dict(vocab_size=VOCAB, temperature=TEMP, chunk_size=CHUNK)
     out = {}
