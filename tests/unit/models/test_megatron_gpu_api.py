@@ -1,5 +1,5 @@
-"""Our calls into megatron-core, checked offline against 0.19.2, the version a Python 3.12 GPU
-machine installs (the CPU suite runs 0.16.1 on Python 3.11; 0.17+ needs 3.12).
+"""Our calls into megatron-core, checked offline against 0.19.2, the version setup.py pins on
+every Python (the CPU suite runs it too; this also covers the GPU-only branches it never takes).
 
 tests/api/megatron-core-0.19.2.json (tools/api_snapshot.py, from the wheel's source) holds the
 fields of TransformerConfig (with ModelParallelConfig's), DistributedDataParallelConfig and

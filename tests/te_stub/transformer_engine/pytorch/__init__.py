@@ -17,7 +17,7 @@ import torch
 
 from transformer_engine.pytorch import distributed, fp8, ops  # noqa: F401
 from transformer_engine.pytorch.distributed import CudaRNGStatesTracker  # noqa: F401
-from transformer_engine.pytorch.fp8 import fp8_autocast  # noqa: F401
+from transformer_engine.pytorch.fp8 import fp8_autocast, fp8_model_init  # noqa: F401
 
 
 class _TEModule(torch.nn.Module):
@@ -109,16 +109,19 @@ class GroupedLinear(_TEModule):
 
 
 class RMSNorm(_TEModule):
-    def __init__(self, hidden_size: int, eps: float = 1e-5, *, params_dtype=None, device=None, **_ignored):
+    """TE 2.x's first argument is ``normalized_shape`` (megatron-core 0.19 passes it by name)."""
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, *, params_dtype=None, device=None, **_ignored):
         super().__init__()
         self.eps = eps
-        self.weight = _param((hidden_size,), params_dtype, device, None, fill=1.0)
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+        self.weight = _param(shape, params_dtype, device, None, fill=1.0)
 
 
 class LayerNorm(RMSNorm):
-    def __init__(self, hidden_size: int, eps: float = 1e-5, *, params_dtype=None, device=None, **_ignored):
-        super().__init__(hidden_size, eps, params_dtype=params_dtype, device=device)
-        self.bias = _param((hidden_size,), params_dtype, device, None)
+    def __init__(self, normalized_shape, eps: float = 1e-5, *, params_dtype=None, device=None, **_ignored):
+        super().__init__(normalized_shape, eps, params_dtype=params_dtype, device=device)
+        self.bias = _param(self.weight.shape, params_dtype, device, None)
 
 
 class DotProductAttention(_TEModule):

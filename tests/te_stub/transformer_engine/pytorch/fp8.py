@@ -10,3 +10,8 @@ class FP8GlobalStateManager:
 
 def fp8_autocast(*args, **kwargs):
     return nullcontext()
+
+
+def fp8_model_init(enabled: bool = False, recipe=None, preserve_high_precision_init_val: bool = False):
+    """megatron-core 0.19 enters this around every TE layer's construction (FP8 weights off here)."""
+    return nullcontext()
