@@ -49,20 +49,10 @@ def main(argv=None) -> int:
     from grpo_mega.bridge import WeightBridge
     from grpo_mega.bridge.export import export_buckets, nbytes
     from grpo_mega.bridge.verify import make_probe, verify_engine
-    from grpo_mega.checkpoint import convert
-    from grpo_mega.distributed.state import init_parallel
-    from grpo_mega.models import build_model
     from grpo_mega.rollout.worker import write_weight_file
-    from tests.scripts.bridge_fixtures import write_hf_checkpoint
 
     root = Path(tempfile.mkdtemp(prefix="bench_sync_floor_"))
-    kw = dict(W.SIZES[args.size])
-    hf_dir = write_hf_checkpoint(root / "hf", kw.pop("family"), **kw)
-    cfg = convert.read_model_config(hf_dir)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{root / 'world'}", rank=0, world_size=1)
-    ps = init_parallel(1, 1)
-    model = build_model(cfg, ps)
-    convert.load_hf_weights(model, hf_dir, ps, cfg)
+    hf_dir, cfg, ps, model = W.trainer(W.SIZES[args.size], root)
     params = sum(p.numel() for p in model.parameters())
     engine = W._engine(hf_dir)
     bridge = WeightBridge(model, cfg, ps, [engine])
@@ -104,7 +94,8 @@ def main(argv=None) -> int:
         "probes": W._median_time(probes, r),
         "verify": W._median_time(lambda: verify_engine(engine, probe_set, bridge.verify_atol), r),
         "file transport": W._median_time(file_transport, r),
-        "vllm reload": W._median_time(lambda: [engine.update_weights(b) for b in buckets], r),
+        "vllm reload": W._median_time(lambda: ([engine.update_weights(b) for b in buckets],
+                                                engine.reset_prefix_cache()), r),  # closes the reload
         "sync": W._median_time(lambda: stats.append(bridge.sync()), r),
     }
     engine.shutdown()

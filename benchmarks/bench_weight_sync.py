@@ -75,18 +75,19 @@ def _save_hf(model, cfg, ps, src: Path, out: Path) -> None:
     os.sync()  # a checkpoint is on disk only once written back
 
 
-def bench_size(name: str, root: Path, repeats: int, bucket_mb: float) -> dict:
+def trainer(shape: dict, root: Path):
+    """(hf_dir, cfg, ps, model): a random HF checkpoint of ``shape`` (``write_hf_checkpoint``
+    keyword arguments, ``family`` among them) written to ``root/hf`` and loaded into a
+    megatron model at TP=1, in a world of one process."""
     import torch
 
     from grpo_mega.checkpoint import convert
-    from grpo_mega.bridge import WeightBridge
-    from grpo_mega.models import build_model
     from grpo_mega.distributed.state import init_parallel
+    from grpo_mega.models import build_model
     from tests.scripts.bridge_fixtures import write_hf_checkpoint
 
-    kw = dict(SIZES[name])
-    family = kw.pop("family")
-    hf_dir = write_hf_checkpoint(root / name / "hf", family, **kw)
+    kw = dict(shape)
+    hf_dir = write_hf_checkpoint(root / "hf", kw.pop("family"), **kw)
     cfg = convert.read_model_config(hf_dir)
     if not torch.distributed.is_initialized():  # file rendezvous, no port to race for
         torch.distributed.init_process_group("gloo", init_method=f"file://{root / 'world'}",
@@ -94,6 +95,15 @@ def bench_size(name: str, root: Path, repeats: int, bucket_mb: float) -> dict:
     ps = init_parallel(1, 1)
     model = build_model(cfg, ps)
     convert.load_hf_weights(model, hf_dir, ps, cfg)
+    return hf_dir, cfg, ps, model
+
+
+def bench_size(name: str, root: Path, repeats: int, bucket_mb: float) -> dict:
+    import torch
+
+    from grpo_mega.bridge import WeightBridge
+
+    hf_dir, cfg, ps, model = trainer(SIZES[name], root / name)
     params = sum(p.numel() for p in model.parameters())
 
     start = time.perf_counter()
@@ -155,18 +165,21 @@ def _report(res: dict) -> None:
           f"vs disk reload", flush=True)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="tiny,100m", help=f"comma list of {sorted(SIZES)}")
+def main_over_sizes(argv, *, doc: str, sizes: dict, default: str, bench_one, report, script: str) -> int:
+    """The command line of a benchmark over model sizes: each size runs in a process of its
+    own (``--one``; engines and process groups do not survive a second size in one process),
+    ``bench_one(name, root, repeats, bucket_mb)`` returns its results, ``report`` prints them."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default=default, help=f"comma list of {sorted(sizes)}")
     ap.add_argument("--repeats", type=int, default=3, help="runs per measurement (median)")
     ap.add_argument("--bucket-mb", type=float, default=256.0, help="bridge bucket size (MiB)")
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one size, this process
     args = ap.parse_args(argv)
-    if args.one:  # engines and process groups do not survive a second size in one process
-        root = Path(tempfile.mkdtemp(prefix="bench_weight_sync_"))
+    if args.one:
+        root = Path(tempfile.mkdtemp(prefix=f"{Path(script).stem}_"))
         try:
-            res = bench_size(args.one, root, args.repeats, args.bucket_mb)
+            res = bench_one(args.one, root, args.repeats, args.bucket_mb)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         Path(args.out).write_text(json.dumps(res))
@@ -176,15 +189,20 @@ def main(argv=None) -> int:
     results = []
     for name in args.sizes.split(","):
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            subprocess.run([sys.executable, __file__, "--one", name, "--repeats", str(args.repeats),
+            subprocess.run([sys.executable, script, "--one", name, "--repeats", str(args.repeats),
                             "--bucket-mb", str(args.bucket_mb), "--out", f.name], check=True,
                            stdout=subprocess.DEVNULL)
             results.append(json.loads(Path(f.name).read_text()))
-        _report(results[-1])
+        report(results[-1])
     print(f"[bench] load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     return 0
+
+
+def main(argv=None) -> int:
+    return main_over_sizes(argv, doc=__doc__, sizes=SIZES, default="tiny,100m", bench_one=bench_size,
+                           report=_report, script=__file__)
 
 
 if __name__ == "__main__":

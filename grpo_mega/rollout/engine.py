@@ -153,6 +153,7 @@ class RolloutEngine(SleepPhases):
         self.memory_released = False
         self._asleep: set[str] = set()  # "weights", "kv_cache": what vLLM's sleep freed
         self._weights_stale = False  # True from a level-2 release until the next load
+        self._update_open = False  # a reload is open in the worker (update_weights)
         # The engine's last calls in order ("generate", "load", "release", "resume"): the
         # order of the step's memory phases is visible, and tested, on CPU too.
         self.calls: collections.deque[str] = collections.deque(maxlen=256)
@@ -373,6 +374,7 @@ class RolloutEngine(SleepPhases):
                         budgets: Sequence[int] | None = None) -> RolloutBatch:
         from vllm.inputs import TokensPrompt
 
+        self._finish_update()
         ids = [list(getattr(p, "token_ids", p)) for p in prompts]
         max_len = self.llm.llm_engine.model_config.max_model_len
         budgets = [s.max_new_tokens] * len(ids) if budgets is None else list(budgets)
@@ -431,9 +433,10 @@ class RolloutEngine(SleepPhases):
         the bridge may pass an empty iterable there. A partial update
         (a bucket) must cover whole fused layers: q, k and v together, gate
         and up together (updating q alone silently corrupts outputs), and all
-        experts of an MoE layer together (a part is refused: ValueError). Modules
-        tied to a reloaded weight are repacked inside the worker. Call
-        :meth:`reset_prefix_cache` after the last bucket.
+        experts of an MoE layer together (a part is refused: ValueError). The buckets
+        of one update form one vLLM reload (one pass over the model, not one per
+        bucket), closed by :meth:`reset_prefix_cache` after the last bucket (or by the
+        next generate / probe / release), which also repacks tied modules.
         """
         self.calls.append("load")
         if not self.holds_engine:
@@ -444,25 +447,35 @@ class RolloutEngine(SleepPhases):
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         start = time.perf_counter()
         tensors = [(name, t.detach()) for name, t in items]
+        self._update_open = True  # the worker's reload stays open until _finish_update
         if self.weight_transport == "file":
             with write_weight_file(tensors, self.config.shm_dir) as path:
-                self.llm.collective_rpc("grpo_mega_update_from_file", args=(path,))
+                self.llm.collective_rpc("grpo_mega_update_from_file", args=(path, False))
         else:
-            self.llm.collective_rpc("grpo_mega_update", args=(tensors,))
+            self.llm.collective_rpc("grpo_mega_update", args=(tensors, False))
         seconds = time.perf_counter() - start
         log.info("rollout: updated %d tensors in %.3f s (%s)", len(tensors), seconds, self.weight_transport)
         return seconds
 
     def reset_prefix_cache(self) -> None:
-        """Drop cached KV: it was computed with the weights before an update."""
+        """End an update (:meth:`update_weights`); drop cached KV (the old weights made it)."""
         if self.holds_engine:
+            self._finish_update()
             self.llm.reset_prefix_cache()
+
+    def _finish_update(self) -> None:
+        """Close the worker's open reload: until then layers not yet loaded sit on the
+        meta device, so nothing may run the model."""
+        if self._update_open:
+            self._update_open = False
+            self.llm.collective_rpc("grpo_mega_finish_update")
 
     def probe(self, specs: Sequence[Any]) -> list[dict]:
         """The weight bridge's verification reads, one dict per vLLM worker
         (see ``worker.probe_weights``); [] on a rank holding no engine."""
         if not self.holds_engine:
             return []
+        self._finish_update()
         return self.llm.collective_rpc("grpo_mega_probe", args=(list(specs),))
 
     def shutdown(self) -> None:

@@ -36,7 +36,7 @@ def free_torch_cache() -> int:
 class SleepPhases:
     """Mixed into ``RolloutEngine``: needs ``llm``, ``config.colocate``, ``on_cpu``,
     ``holds_engine``, ``calls``, ``releases``/``resumes``, ``memory_released``, ``_asleep``
-    and ``_weights_stale``."""
+    and ``_weights_stale``, ``_finish_update``."""
 
     def release(self) -> None:
         """Free accelerator memory for the training phase (vLLM sleep level 2, colocate=True
@@ -48,6 +48,7 @@ class SleepPhases:
         self.calls.append("release")
         if self._sleep_unsupported("release"):
             return
+        self._finish_update()  # an open reload must not sleep with half its layers on meta
         self.llm.sleep(level=2)
         self.memory_released = True
         self._asleep = {"weights", "kv_cache"}

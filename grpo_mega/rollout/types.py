@@ -260,7 +260,9 @@ class RolloutEngineProtocol(Protocol):
         ...
 
     def reset_prefix_cache(self) -> None:
-        """Drop cached KV (computed with the old weights); call after the last bucket."""
+        """End the update (the buckets since the last call form one: the vLLM engine loads
+        them as one reload) and drop cached KV (computed with the old weights); call after
+        the last bucket."""
         ...
 
     def probe(self, specs: Sequence[ProbeSpec]) -> list[dict]:

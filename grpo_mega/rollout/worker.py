@@ -6,11 +6,13 @@ so :class:`WorkerExtension` (mixed into vLLM's worker through
 ``EngineConfig.worker_extension_cls``) carries every such entry point, and the
 engine calls them with ``collective_rpc("<method name>", ...)`` in every mode.
 
-* ``grpo_mega_update(named_tensors)`` / ``grpo_mega_update_from_file(path)``:
-  vLLM's ``reload_weights`` (HF names; redoes qkv / gate_up fusion and CPU
-  prepacking), then the repack of modules sharing a reloaded weight: on CPU a
-  tied lm_head keeps its own prepacked copy of the embedding, which plain
-  ``reload_weights`` leaves stale (new embedding, old logits).
+* ``grpo_mega_update(named_tensors, finish)`` / ``grpo_mega_update_from_file(path, finish)``
+  and ``grpo_mega_finish_update()``: vLLM's ``reload_weights`` (HF names; redoes
+  qkv / gate_up fusion and CPU prepacking) spread over the buckets of one sync, so
+  vLLM walks the model once per sync (:func:`reload_weights`), then the repack of
+  modules sharing a reloaded weight: on CPU a tied lm_head keeps its own prepacked
+  copy of the embedding, which plain ``reload_weights`` leaves stale (new
+  embedding, old logits).
   MoE layers: see :mod:`grpo_mega.rollout.vllm_moe` (experts re-prepacked, whole
   layers only).
 * ``grpo_mega_probe(specs)``: read back slices of HF-named weights for the
@@ -26,8 +28,10 @@ never a checkpoint on disk, never pickled lists. vLLM is imported lazily.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
+from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -35,7 +39,7 @@ import torch
 from grpo_mega.rollout import vllm_moe
 from grpo_mega.safetensors_io import write_safetensors
 
-__all__ = ["WorkerExtension", "reload_weights", "reload_weights_from_file", "probe_weights",
+__all__ = ["WorkerExtension", "reload_weights", "reload_weights_from_file", "finish_reload", "probe_weights",
            "repack_shared_weights", "write_weight_file", "WEIGHT_FILE_PREFIX"]
 
 WEIGHT_FILE_PREFIX = "grpo_mega_weights_"
@@ -45,47 +49,151 @@ class WorkerExtension:
     """Mixed into vLLM's worker (``worker_extension_cls``); methods are called by
     name through ``LLM.collective_rpc``. ``self`` is the vLLM worker."""
 
-    def grpo_mega_update(self, named_tensors) -> int:
-        return reload_weights(self, named_tensors)
+    def grpo_mega_update(self, named_tensors, finish: bool = True) -> int:
+        return reload_weights(self, named_tensors, finish)
 
-    def grpo_mega_update_from_file(self, path: str) -> int:
-        return reload_weights_from_file(self, path)
+    def grpo_mega_update_from_file(self, path: str, finish: bool = True) -> int:
+        return reload_weights_from_file(self, path, finish)
+
+    def grpo_mega_finish_update(self) -> int:
+        return finish_reload(self)
 
     def grpo_mega_probe(self, specs) -> dict:
         return probe_weights(self, specs)
 
 
-def reload_weights(worker, named_tensors) -> int:
-    """Runs inside a vLLM worker: reload HF-named tensors in place.
+def reload_weights(worker, named_tensors, finish: bool = True) -> int:
+    """Runs inside a vLLM worker: load HF-named tensors in place, as part of one reload.
 
-    vLLM's ``worker.reload_weights`` takes HF names and redoes its packing (qkv / gate_up
-    fusion, CPU prepacking); ``model.load_weights`` on the live model fails on CPU.
-    Then modules that share a weight with a reloaded one are repacked: on CPU a tied
-    lm_head keeps its own prepacked copy of the embedding, which ``reload_weights``
-    does not refresh (the lm_head received no tensor), so it would keep producing
-    logits from the old weights while the embedding is new. MoE layers are reloaded
-    through :func:`grpo_mega.rollout.vllm_moe.experts_reprocessed` (vLLM skips the
-    experts' prepack on a reload), and an update must hold every expert of each MoE
-    layer it touches."""
+    This is vLLM's ``reload_weights`` (HF names in; qkv / gate_up fusion and CPU
+    prepacking redone) cut at its seams so that one reload can span many calls: the
+    first call opens it (``initialize_layerwise_reload``: every layer's kernel tensors
+    set aside), each call feeds its tensors to ``model.load_weights`` (a layer is
+    processed as soon as all its weights are in), and ``finish`` (here, or a later
+    :func:`finish_reload`) closes it. Why: a reload walks the whole model when it closes
+    and puts every layer that got nothing back from its kernel tensors, logging
+    "Failed to load weights" for each; one reload per bucket made a sync B whole-model
+    passes (and ~370 such lines per step for a 30-layer model). The weight bridge sends
+    every bucket with ``finish=False`` and closes once after the last.
+    ``model.load_weights`` on the live model without this frame fails on CPU (weights
+    are prepacked at load and replaced by empty tensors).
+
+    Each call must hold whole fused layers (q, k, v together; all experts of an MoE layer:
+    vLLM processes a layer once all its weights are in, so a split one would be processed
+    half-loaded); an MoE layer split across calls is refused by name. A failing call
+    closes the reload (layers not yet loaded keep their weights) and raises."""
     named_tensors = list(named_tensors)
     model = _worker_model(worker)
-    names = [n for n, _ in named_tensors]
     # MoE layers: vLLM's reload neither re-prepacks CPU experts nor keeps the experts
     # a partial update leaves out (grpo_mega.rollout.vllm_moe has the vLLM functions).
-    vllm_moe.check_whole_moe_layers(model, names)
-    with vllm_moe.experts_reprocessed(model):
-        worker.reload_weights(weights_iterator=named_tensors)
-    repack_shared_weights(model, names)
+    vllm_moe.check_whole_moe_layers(model, [n for n, _ in named_tensors])
+    names = _open_reload(worker, model)
+    try:
+        model.load_weights(named_tensors)
+    except BaseException:
+        finish_reload(worker)
+        raise
+    names.update(n for n, _ in named_tensors)
+    if finish:
+        finish_reload(worker)
     return len(named_tensors)
 
 
-def reload_weights_from_file(worker, path: str) -> int:
-    """Runs inside a vLLM worker: ``reload_weights`` from a safetensors file."""
+@dataclass
+class _OpenReload:
+    """A reload spanning several ``reload_weights`` calls (held on the worker)."""
+
+    moe: contextlib.ExitStack
+    """Held open for the reload's whole span (``vllm_moe.experts_reprocessed``)."""
+    quiet: set
+    """Class names of layers that receive no tensor by design (see ``_no_tensor_by_design``)."""
+    names: set = field(default_factory=set)
+    """HF names loaded so far."""
+
+
+def _open_reload(worker, model) -> set:
+    """The names loaded so far by the open reload, opening one if none is."""
+    state = getattr(worker, "_grpo_mega_reload", None)
+    if state is None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        # before vLLM sets the layers on meta (tied modules then stop sharing a Parameter)
+        state = _OpenReload(contextlib.ExitStack(), _no_tensor_by_design(model))
+        state.moe.enter_context(vllm_moe.experts_reprocessed(model))
+        try:
+            initialize_layerwise_reload(model)
+        except BaseException:
+            state.moe.close()
+            raise
+        worker._grpo_mega_reload = state
+    return state.names
+
+
+def finish_reload(worker) -> int:
+    """Runs inside a vLLM worker: close the open reload (no-op when none is open).
+
+    vLLM's ``finalize_layerwise_reload`` (layers that received nothing get their kernel
+    tensors back: their weights are unchanged), then the repack of modules sharing a
+    reloaded weight: on CPU a tied lm_head keeps its own prepacked copy of the embedding,
+    which the reload does not refresh (the lm_head received no tensor), so it would keep
+    producing logits from the old weights while the embedding is new. Then the runner's
+    caches derived from weights are dropped, as vLLM's ``reload_weights`` does. Returns
+    the number of tensors the reload loaded."""
+    state = getattr(worker, "_grpo_mega_reload", None)
+    if state is None:
+        return 0
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    worker._grpo_mega_reload = None
+    model, runner = _worker_model(worker), worker.model_runner
+    quiet = _Expected(state.quiet)
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    layerwise.addFilter(quiet)
+    try:
+        with state.moe:
+            finalize_layerwise_reload(model, runner.model_config)
+    finally:
+        layerwise.removeFilter(quiet)
+    repack_shared_weights(model, state.names)
+    for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+        if hasattr(runner, reset):
+            getattr(runner, reset)()
+    return len(state.names)
+
+
+def _no_tensor_by_design(model) -> set:
+    """Class names of the layers an update never sends a tensor to, which vLLM's reload
+    puts back from their kernel tensors with a "Failed to load weights" warning each:
+    modules sharing a weight with another (a tied lm_head: the checkpoint has no
+    ``lm_head.weight``; repacked after the reload) and modules holding buffers but no
+    parameters (a rotary embedding's cos/sin cache, computed from the config)."""
+    quiet = {type(m).__name__ for group in _sharing_modules(model) for m in group[1:]}
+    for m in model.modules():
+        if not m._parameters and any(b is not None for b in m._buffers.values()):
+            quiet.add(type(m).__name__)
+    return quiet
+
+
+class _Expected(logging.Filter):
+    """Drops vLLM's "<layer class>: Failed to load weights" for the classes given; the
+    same line for any other layer (a weight the update really missed) still shows."""
+
+    def __init__(self, classes: set):
+        super().__init__()
+        self.classes = classes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        layer, _, rest = record.getMessage().partition(": ")
+        return not (rest == "Failed to load weights" and layer in self.classes)
+
+
+def reload_weights_from_file(worker, path: str, finish: bool = True) -> int:
+    """Runs inside a vLLM worker: :func:`reload_weights` from a safetensors file."""
     from safetensors import safe_open
 
     with safe_open(path, framework="pt", device="cpu") as f:
         tensors = [(k, f.get_tensor(k)) for k in f.keys()]
-    return reload_weights(worker, tensors)
+    return reload_weights(worker, tensors, finish)
 
 
 def _worker_model(worker):

