@@ -66,6 +66,25 @@ MODELS = {
 # grads and Adam state (58 GB) before activations and the [tokens, 128k] logits, so it runs
 # one sequence per micro-batch with full recompute (4 x 2048 tokens OOMed).
 TRAIN_FIT = {"3b": dict(micro_batch=1, recompute="full")}
+# Without Transformer Engine megatron's local attention is unfused, and the budget does not
+# count what it keeps for the backward: per layer the [mbs, heads, s, s] softmax output in
+# fp32 (attention_softmax_in_fp32, megatron's default) and its bf16 copy, 6 B per score.
+# 1B at 4 x 2048: 16 x 4 x 32 x 2048^2 x 6 B = 48 GiB over the budget's 43.8 GiB train rows,
+# ~92 GiB: out of memory on 80 GB. At micro-batch 1: 12 GiB over 26.5 GiB, ~38.5 GiB, fits.
+# (3B recomputes every layer, so one layer's scores at a time.)
+TRAIN_FIT_LOCAL = {**TRAIN_FIT, "1b": dict(micro_batch=1)}
+LOCAL_SCORE_BYTES = 6
+
+
+def local_attention_gib(shape: dict, mbs: int, seq: int) -> float:
+    """GiB the local (no TE) attention keeps for the backward over all layers (see above)."""
+    scores = mbs * shape["num_attention_heads"] * seq * seq
+    return shape["num_layers"] * scores * LOCAL_SCORE_BYTES / 2**30
+
+
+def train_fit(model_name: str, te: bool) -> dict:
+    """The train row's settings that fit one 80 GB GPU, with or without TE's fused attention."""
+    return (TRAIN_FIT if te else TRAIN_FIT_LOCAL).get(model_name, {})
 # Dense peak TFLOP/s per GPU (bf16, fp8), from the vendors' data sheets; matched by name.
 PEAKS = [("H200", 989.0, 1979.0), ("H100 PCIe", 756.0, 1513.0), ("H100", 989.0, 1979.0),
          ("B200", 2250.0, 4500.0), ("A100", 312.0, None), ("L40S", 362.0, 733.0)]
@@ -228,7 +247,7 @@ def bench_train(args, ps, timer, rows):
         variants = [("bf16" if timer.cuda else "fp32", "none", "delayed")]
         if timer.cuda:
             variants += [(f"fp8 {r}", "hybrid", r) for r in FP8_RECIPES]
-        fit = TRAIN_FIT.get(model_name, {})
+        fit = train_fit(model_name, te=spec == "TE spec")
         mbs = fit.get("micro_batch", args.micro_batch)
         for label, fp8, recipe in variants:
             row = dict(section="train", case=f"{model_name} {label}"

@@ -83,6 +83,15 @@ class RolloutConfig:
     runs on the block's first rank at TP 1. 0 means ``parallel.tp``."""
     gpu_memory_utilization: float = 0.3
     """Fraction of GPU memory the engine may take (GPU only)."""
+    enforce_eager: Optional[bool] = None
+    """vLLM's ``enforce_eager``: true turns its torch.compile and CUDA graphs off (slower
+    decoding, a faster and simpler start). The first thing to flip when a GPU run fails in
+    or around the engine. null: vLLM's default on GPU (compiled, graphs on), eager on CPU."""
+    model_runner: str = "v1"
+    """vLLM's model runner (VLLM_USE_V2_MODEL_RUNNER, set while the engine starts): ``v1``,
+    the runner the CPU suite runs and tests/api/vllm-0.26.0.json covers; ``v2`` (vLLM
+    0.26.0's default for dense models on GPU; it divides bf16 logits by the temperature in
+    place, a small log-prob precision loss at T != 1); ``auto``: vLLM's own choice."""
     max_model_len: int = 256
     """Engine context length (prompt + response)."""
     sleep_between_rollouts: bool = True

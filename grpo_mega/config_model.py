@@ -82,7 +82,7 @@ class ModelConfig:
     master weights stay in ``dtype`` / fp32, only the GEMMs run in FP8."""
     fp8_recipe: str = "delayed"
     """FP8 scaling recipe: ``delayed`` (amax history), ``tensorwise`` (current scaling,
-    TE >= 2.2), ``blockwise`` (TE >= 2.3, Hopper only) or ``mxfp8`` (Blackwell)."""
+    TE >= 2.2), ``blockwise`` (TE >= 2.3; Hopper, Blackwell emulated) or ``mxfp8`` (Blackwell)."""
     fp8_amax_history_len: int = 1024
     """Delayed scaling: how many steps of amax history set each scale."""
     fp8_amax_compute_algo: str = "max"

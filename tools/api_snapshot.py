@@ -63,7 +63,13 @@ SPECS = {
             "vllm/model_executor/layers/fused_moe/modular_kernel.py": ["FusedMoEExperts"],
             "vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py":
                 ["UnquantizedFusedMoEMethod"],
+            # the V1 runner, which rollout.model_runner=v1 selects; V2 is gpu/model_runner.py
+            "vllm/v1/worker/gpu_model_runner.py": ["GPUModelRunner"],
         },
+        # environment variables vLLM reads (envs.environment_variables), for those we set
+        "env": ("vllm/envs.py", "environment_variables"),
+        # enum members: the MoE backends whose weight layout the probe knows (rollout/vllm_moe.py)
+        "members": {"UnquantizedMoeBackend": "vllm/model_executor/layers/fused_moe/oracle/unquantized.py"},
     },
     "megatron-core": {
         "signatures": {
@@ -152,6 +158,21 @@ def _literal(tree: ast.Module, name: str) -> list:
     raise KeyError(f"no Literal {name}")
 
 
+def _dict_keys(tree: ast.Module, name: str) -> list[str]:
+    """The string keys of the module-level dict literal ``name``."""
+    for n in tree.body:
+        target = n.targets[0] if isinstance(n, ast.Assign) else getattr(n, "target", None)
+        if isinstance(target, ast.Name) and target.id == name and isinstance(n.value, ast.Dict):
+            return sorted(k.value for k in n.value.keys if isinstance(k, ast.Constant))
+    raise KeyError(f"no dict {name}")
+
+
+def _members(tree: ast.Module, cls: str) -> list[str]:
+    """The names assigned in class ``cls``'s body (an Enum's members)."""
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return [t.id for n in node.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)]
+
+
 def snapshot(package: str, wheel: Path) -> dict:
     spec = SPECS[package]
     with zipfile.ZipFile(wheel) as z:
@@ -162,7 +183,13 @@ def snapshot(package: str, wheel: Path) -> dict:
                 trees[path] = ast.parse(z.read(path).decode())
             return trees[path]
 
+        extra = {}
+        if "env" in spec:
+            extra["env"] = _dict_keys(tree(spec["env"][0]), spec["env"][1])
+        if "members" in spec:
+            extra["members"] = {c: _members(tree(f), c) for c, f in spec["members"].items()}
         return {
+            **extra,
             "package": package, "wheel": wheel.name,
             "signatures": {k: _params(_find(tree(f), c, fn)) for k, (f, c, fn) in spec["signatures"].items()},
             "fields": {k: [x for c in classes for x in _fields(tree(f), c)]

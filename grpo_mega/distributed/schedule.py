@@ -93,6 +93,10 @@ def run_microbatches(model, micro_batches: list[Any], loss_fn: Callable, ps: Par
     config = model.config
     piped = reference is not None and ps.pp > 1
     runner = _WithReference(model, reference) if piped else model
+    if reference is not None and not piped:
+        # megatron refreshes TE's FP8 weight casts only in the model it runs (see
+        # _WithReference.set_is_first_microbatch); the reference rides along in forward_step.
+        _refresh_fp8_weights(reference)
     config.variable_seq_lengths = ps.pp > 1
     # The schedule's p2p buffers use this dtype for activations.
     config.pipeline_dtype = next(model.parameters()).dtype
@@ -135,6 +139,14 @@ def run_microbatches(model, micro_batches: list[Any], loss_fn: Callable, ps: Par
     return list(outputs) if ps.is_last_stage else []
 
 
+def _refresh_fp8_weights(model) -> None:
+    """Have TE recast ``model``'s FP8 weights at its next forward (megatron's
+    ``MegatronModule.set_is_first_microbatch``; a no-op without FP8)."""
+    refresh = getattr(model, "set_is_first_microbatch", None)
+    if refresh is not None:
+        refresh()
+
+
 class _WithReference(torch.nn.Module):
     """The policy and the frozen reference as one pipeline stage for megatron's schedule.
 
@@ -146,6 +158,14 @@ class _WithReference(torch.nn.Module):
         super().__init__()
         self.module = policy
         self.reference = reference
+
+    def set_is_first_microbatch(self) -> None:
+        """megatron's schedule calls this on the model it runs, at a step's first micro-batch,
+        if the model has it: TE then casts the weights to FP8 again (later micro-batches reuse
+        the cast). Without it here the policy kept its first step's FP8 weights (PP > 1 with
+        ``kl_kind: full``)."""
+        _refresh_fp8_weights(self.module)
+        _refresh_fp8_weights(self.reference)
 
     def set_input_tensor(self, input_tensor) -> None:
         x = input_tensor[0] if isinstance(input_tensor, list) else input_tensor

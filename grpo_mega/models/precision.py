@@ -10,14 +10,17 @@ What
       an FP8 model. megatron then enters TE's ``fp8_autocast`` with the recipe
       inside every transformer block; nothing else in the loop changes.
     * ``seq_multiple``: TE's FP8 GEMMs need the token count of a micro-batch
-      to be a multiple of 16, so micro-batches are padded to it.
+      to be a multiple of 16 (32 for mxfp8), per TP rank with sequence parallelism,
+      so micro-batches are padded to it.
+    * ``te_install_command``: how to install TE against the installed torch, named
+      by the error when TE does not import.
 
 Why these minimums
     FP8 tensor cores exist from compute capability 8.9 (Ada, Hopper). The
     recipes need (megatron-core 0.19.2 ``fp8_utils.get_fp8_recipe``):
     ``delayed`` any TE 1.x+, ``tensorwise`` (current scaling) TE >= 2.2,
-    ``blockwise`` TE >= 2.3 and Hopper (sm90), ``mxfp8`` TE >= 2.1 and
-    Blackwell (sm100). Where TE offers its own support check it is asked too,
+    ``blockwise`` TE >= 2.3 and Hopper (sm90) or newer (Blackwell emulates it),
+    ``mxfp8`` TE >= 2.1 and Blackwell (sm100). Where TE offers its own support check it is asked too,
     because it also knows the CUDA toolkit it was built with.
 
 Nothing here was run on a GPU in this repository's CI; the checks are tested
@@ -26,7 +29,6 @@ on CPU with the hardware facts passed in.
 from __future__ import annotations
 
 import logging
-import math
 
 from typing import Optional, Tuple
 
@@ -57,6 +59,24 @@ def te_available() -> bool:
 TRANSFORMER_IMPLS = ("auto", "transformer_engine", "local")
 
 
+# The gpu extra's Transformer Engine (setup.py; a test keeps the two equal).
+TE_VERSION = "2.20.2"
+
+
+def te_install_command(cuda: Optional[str] = "13", *, reinstall: bool = False) -> str:
+    """The pip command that installs Transformer Engine ``TE_VERSION`` against the torch
+    already installed: its torch part is a source archive, and pip's default build isolation
+    compiles it against another torch (the newest on PyPI), whose ABI the installed one
+    lacks, so the import then fails. ``cuda``: torch's CUDA major version (the core wheel is
+    per CUDA major; None: 13). ``reinstall``: replace a broken build; without
+    ``--no-cache-dir`` pip would reuse the wheel it built before."""
+    if reinstall:
+        return ("pip install --no-build-isolation --no-deps --force-reinstall --no-cache-dir "
+                f"transformer-engine-torch=={TE_VERSION}")
+    major = (cuda or "13").split(".")[0]
+    return f"pip install --no-build-isolation 'transformer-engine[core_cu{major},pytorch]=={TE_VERSION}'"
+
+
 def choose_te(device_type: str, impl: str = "auto") -> bool:
     """Whether to build the TE layer spec for ``model.transformer_impl=impl`` on a
     ``device_type`` job. Never a silent fallback on GPU: a TE that is required or installed
@@ -75,15 +95,25 @@ def choose_te(device_type: str, impl: str = "auto") -> bool:
     why = te_import_error()
     if why is None:
         return True
-    if impl == "transformer_engine" or why != "not installed":
-        raise RuntimeError(f"Transformer Engine does not import ({why}); fix the install (pip "
-                           "install -e '.[gpu]') or build megatron's local layers on purpose with "
-                           "--model.transformer_impl=local")
+    import torch
+    install = te_install_command(torch.version.cuda)
+    if why == "not installed" and impl == "transformer_engine":
+        raise RuntimeError("Transformer Engine is not installed, and --model.transformer_impl="
+                           f"transformer_engine requires it: {install}; or build megatron's "
+                           "local layers with --model.transformer_impl=local")
+    if why != "not installed":
+        raise RuntimeError(
+            f"Transformer Engine does not import ({why}). A TE whose torch part was compiled "
+            "against another torch fails this way: pip builds transformer-engine-torch (a source "
+            "archive) in an isolated environment with the newest torch from PyPI unless told not "
+            f"to. Rebuild it against this torch: {te_install_command(reinstall=True)}; or build "
+            "megatron's local layers on purpose with --model.transformer_impl=local")
     logging.getLogger("grpo_mega.models").warning(
         "Transformer Engine is not installed: building megatron's LOCAL layers on a GPU (unfused "
-        "attention with [b, heads, s, s] scores, no FP8). Install TE (pip install -e '.[gpu]') or "
-        "pass --model.transformer_impl=local to silence this.")
+        "attention with [b, heads, s, s] scores, no FP8). Install TE against this torch (%s) or "
+        "pass --model.transformer_impl=local to silence this.", install)
     return False
+
 
 _RECIPE_NEEDS = {
     "delayed": ((8, 9), (1, 0)),
@@ -91,8 +121,8 @@ _RECIPE_NEEDS = {
     "blockwise": ((9, 0), (2, 3)),
     "mxfp8": ((10, 0), (2, 1)),
 }
-# Hopper-only: TE's blockwise kernels are written for sm90.
-_RECIPE_MAX_CAPABILITY = {"blockwise": (9, 0)}
+# No upper bound: TE runs ``blockwise`` natively on Hopper and emulates it on Blackwell (its
+# support matrix; its own probe, asked by check_fp8_here, says where its version cannot).
 
 FP8_SEQ_MULTIPLE = 16
 
@@ -134,10 +164,6 @@ def fp8_problem(fp8: str, recipe: str, *, cuda: bool, capability: Optional[Tuple
         have = "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
         return (f"FP8 recipe {recipe!r} needs compute capability >= {need_cc[0]}.{need_cc[1]}, "
                 f"but {device_name} has {have}")
-    top = _RECIPE_MAX_CAPABILITY.get(recipe)
-    if top is not None and tuple(capability[:1]) > top[:1]:
-        return (f"FP8 recipe {recipe!r} runs on compute capability {top[0]}.x (Hopper) only, "
-                f"but {device_name} has {capability[0]}.{capability[1]}; use fp8_recipe=mxfp8 or tensorwise")
     have_te = _version_tuple(te_version)
     if have_te is None:
         return "FP8 needs Transformer Engine, which does not import here (install the gpu extra)"
@@ -210,7 +236,8 @@ def fp8_align_size(recipe: str) -> int:
 
 def seq_multiple(m, tp: int = 1) -> int:
     """Pad micro-batch sequence lengths to this multiple: FP8 GEMMs' alignment (16; 32 for
-    mxfp8), a multiple of tp with sequence parallelism (the sequence is split over the TP
-    ranks), else 1."""
+    mxfp8), else 1; with sequence parallelism that alignment times tp. SP splits the
+    sequence over the TP ranks and TE checks each rank's rows (s/tp) against the alignment
+    before its all-gather, so s must be align x tp (lcm(align, tp) passes TP 2 but not 4)."""
     base = fp8_align_size(m.fp8_recipe) if m.fp8 != "none" else 1
-    return math.lcm(base, tp) if m.sequence_parallel and tp > 1 else base
+    return base * tp if m.sequence_parallel and tp > 1 else base

@@ -26,6 +26,7 @@ CHOICES = {
     ("model", "dtype"): ("float32", "bfloat16"),
     ("model", "fp8_amax_compute_algo"): ("max", "most_recent"),
     ("rollout", "engine_mode"): ("auto", "external_launcher", "child", "inprocess"),
+    ("rollout", "model_runner"): ("v1", "v2", "auto"),
     ("reward", "on_error"): ("stop", "zero"),
     ("algorithm", "logprob_kernel"): ("auto", "torch", "triton"),
     ("checkpoint", "resume"): ("auto", "must", "never"),

@@ -75,7 +75,7 @@ from grpo_mega.rollout.samples import check_budgets
 from grpo_mega.rollout.samples import request_seed as _request_seed
 from grpo_mega.rollout.samples import sampled_logprobs as _sampled_logprobs
 from grpo_mega.rollout.sleep import SleepPhases
-from grpo_mega.rollout.types import EngineConfig, RolloutBatch, SamplingConfig, logprobs_mode_for
+from grpo_mega.rollout.types import EngineConfig, RolloutBatch, SamplingConfig, logprobs_mode_for, model_runner_env
 from grpo_mega.rollout.worker import clear_dead_weight_files, write_weight_file
 
 __all__ = ["RolloutEngine", "resolve_engine_mode"]
@@ -257,7 +257,8 @@ class RolloutEngine(SleepPhases):
         env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
                # Read once at construction: 0 keeps the engine core in this
                # process, 1 puts it in a child process.
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.mode == "child" else "0"}
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if self.mode == "child" else "0",
+               **model_runner_env(self.config.model_runner)}  # rollout.model_runner
         if not self.on_cpu and self.mode == "child":
             # vLLM's uni executor in the child always takes cuda:0, and the child does not
             # inherit this process's set_device(LOCAL_RANK): show it only this rank's GPU.

@@ -19,6 +19,16 @@ __all__ = [
 ]
 
 ENGINE_MODES = ("auto", "external_launcher", "child", "inprocess")
+# rollout.model_runner -> VLLM_USE_V2_MODEL_RUNNER while the engine starts (None: unset, vLLM
+# chooses). vLLM 0.26.0 reads it in VllmConfig.use_v2_model_runner and, unset, runs V2 for
+# dense models on GPU; the CPU build runs V1 (no Triton CPU backend).
+MODEL_RUNNERS = {"v1": "0", "v2": "1", "auto": None}
+
+
+def model_runner_env(model_runner: str) -> dict[str, str]:
+    """The environment that selects ``model_runner`` (see MODEL_RUNNERS) in vLLM."""
+    value = MODEL_RUNNERS[model_runner]
+    return {} if value is None else {"VLLM_USE_V2_MODEL_RUNNER": value}
 
 
 @dataclass(frozen=True)
@@ -85,7 +95,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory vLLM may take (weights + KV cache). Ignored on CPU."""
     enforce_eager: bool | None = None
-    """None: True on CPU (torch.compile stretched startup from ~5 s to ~67 s)."""
+    """None: True on CPU (torch.compile stretched startup from ~5 s to ~67 s), vLLM's
+    default (False: compiled, CUDA graphs) on GPU."""
+    model_runner: str = "v1"
+    """One of MODEL_RUNNERS: vLLM's model runner (``rollout.model_runner``)."""
     colocate: bool = False
     """Enable vLLM's sleep mode so ``release()`` frees GPU memory while
     training. Unsupported on CPU: release/resume are then recorded no-ops."""
@@ -110,6 +123,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.mode not in ENGINE_MODES:
             raise ValueError(f"rollout engine_mode={self.mode!r}; choose one of {ENGINE_MODES}")
+        if self.model_runner not in MODEL_RUNNERS:
+            raise ValueError(f"rollout.model_runner={self.model_runner!r}; choose one of "
+                             f"{tuple(MODEL_RUNNERS)} (--rollout.model_runner)")
 
 
 # ---------------------------------------------------------------------------

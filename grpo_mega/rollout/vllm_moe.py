@@ -114,6 +114,24 @@ def experts_reprocessed(model):
 
 # ----------------------------------------------------------------------------- probes
 
+# MoE backends whose kernels read w13/w2 in checkpoint layout, or in a layout the experts' own
+# post-load step makes (which _positions learns). vLLM 0.26.0 on GPU reshuffles the weights
+# for the others in ``convert_to_unquantized_kernel_format`` (FlashInfer CUTLASS swaps the
+# gate and up halves, FlashInfer TRTLLM re-blocks them, AITER shuffles), a step the probe
+# does not see: it would read the wrong elements. FlashInfer is preferred on Blackwell.
+_PROBED_BACKENDS = ("TRITON", "BATCHED_TRITON", "CPU")
+
+
+def _check_known_layout(layer, name: str) -> None:
+    """Refuse to probe an MoE layer whose weights vLLM reshuffled for its kernel."""
+    backend = getattr(getattr(layer, "quant_method", None), "unquantized_backend", None)
+    if backend is not None and backend.name not in _PROBED_BACKENDS:
+        raise NotImplementedError(
+            f"cannot verify {name}: vLLM's {backend.value} MoE kernels hold the experts in a "
+            "reshuffled layout this probe does not read. Skip the check with "
+            "--rollout.verify_sync=false, or run vLLM's Triton MoE kernels (the engine argument "
+            "moe_backend='triton', through EngineConfig.extra)")
+
 _LAYOUTS: dict = {}
 
 
@@ -181,6 +199,7 @@ def probe_expert(model, name: str, cols: list[int]) -> Optional[list[dict]]:
         return None
     if getattr(layer, "expert_map", None) is not None:
         raise NotImplementedError("probing experts under vLLM expert parallelism is not supported")
+    _check_known_layout(layer, name)
     e, proj = int(m["expert"]), m["proj"]
     pos13, pos2, per13, per2 = _positions(layer)
     cfg = layer.moe_config

@@ -260,15 +260,11 @@ def build_trainer(argv=None) -> Trainer:
         scheduler.load_state_dict(meta["scheduler"])
 
     say("starting the vLLM engine (first start takes 10-30 s on CPU)")
-    quiet = not cfg.logging.verbose
     from grpo_mega.config import rollout_tp
-    from grpo_mega.rollout import EngineConfig, RolloutEngine, SamplingConfig
+    from grpo_mega.rollout import RolloutEngine, SamplingConfig
     from grpo_mega.rollout.layout import engine_block
     r = cfg.rollout
-    engine_cfg = EngineConfig(model=cfg.model.hf_checkpoint, mode=r.engine_mode, max_model_len=r.max_model_len,
-                              gpu_memory_utilization=r.gpu_memory_utilization, colocate=r.sleep_between_rollouts,
-                              seed=r.seed, logprobs_mode="processed_logprobs",
-                              extra={"use_tqdm_on_load": False} if quiet else {})
+    engine_cfg = engine_config(cfg)
     sampling = SamplingConfig(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=max(r.top_k, 0),
                               max_new_tokens=r.max_new_tokens, stop=tuple(r.stop), seed=r.seed)
     if r.placement == "separate":
@@ -309,6 +305,17 @@ def build_trainer(argv=None) -> Trainer:
         t.ref_reset_step = meta.get("ref_reset_step")
     say(f"ready: {cfg.algorithm.steps} steps of {cfg.data.prompts_per_step} prompts x {r.n} samples")
     return t
+
+
+def engine_config(cfg: Config):
+    """The vLLM engine's ``EngineConfig`` from the ``rollout`` section."""
+    from grpo_mega.rollout import EngineConfig
+    r = cfg.rollout
+    return EngineConfig(model=cfg.model.hf_checkpoint, mode=r.engine_mode, max_model_len=r.max_model_len,
+                        gpu_memory_utilization=r.gpu_memory_utilization, colocate=r.sleep_between_rollouts,
+                        seed=r.seed, logprobs_mode="processed_logprobs", enforce_eager=r.enforce_eager,
+                        model_runner=r.model_runner,
+                        extra={} if cfg.logging.verbose else {"use_tqdm_on_load": False})
 
 
 def _separate_engines(cfg: Config, ps: ParallelState, engine_cfg, sampling, *, version: int, say):

@@ -98,3 +98,22 @@ def test_gpu_ready_bench_keeps_every_row_fits_3b_and_labels_fp8_mfu_honestly(tmp
     assert fp8_part + bf16_part == gpu.train_flops_per_token(m, 2048)
     peak = gpu.mixed_peak(m, 2048, 989.0, 1979.0)
     assert 989.0 < peak < 1979.0 * 0.9  # the LM head and attention hold it well below FP8's
+
+
+def test_gpu_ready_bench_train_rows_fit_80gb_without_te():
+    """Guards against issue 39 finding 8: without Transformer Engine the 1B train rows ran
+    megatron's unfused local attention at micro-batch 4, whose kept [mbs, heads, s, s] scores
+    (uncounted by the budget) take it past 80 GB; the rows must pick a micro-batch whose
+    budget plus those scores fits, and keep micro-batch 4 with TE."""
+    gpu = _bench_module()
+    seq = 2048
+    for name in ("1b", "3b"):
+        fit = gpu.train_fit(name, te=False)
+        mbs, recompute = fit.get("micro_batch", 4), fit.get("recompute", "none")
+        layers = 1 if recompute == "full" else gpu.MODELS[name]["num_layers"]
+        scores = gpu.local_attention_gib(dict(gpu.MODELS[name], num_layers=layers), mbs, seq)
+        total = gpu.budget_gib(gpu.MODELS[name], "bfloat16", mbs, seq, recompute)["train"] + scores
+        assert total < 70, (name, mbs, total)
+    assert gpu.train_fit("1b", te=True) == {}  # TE's fused attention: the default micro-batch 4
+    at4 = gpu.budget_gib(gpu.MODELS["1b"], "bfloat16", 4, seq)["train"] + gpu.local_attention_gib(gpu.MODELS["1b"], 4, seq)
+    assert at4 > 80  # the row the finding saw

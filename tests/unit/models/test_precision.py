@@ -5,6 +5,8 @@ hardware facts are passed in, and megatron's own TransformerConfig validates the
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -22,8 +24,8 @@ H100 = dict(cuda=True, capability=(9, 0), device_name="H100")
      "compute capability >= 8.9, but A100 has 8.0"),
     ("e4m3", "tensorwise", dict(H100, te_version=None), "needs Transformer Engine"),
     ("hybrid", "tensorwise", dict(H100, te_version="2.1.0"), "Transformer Engine >= 2.2"),
-    ("hybrid", "blockwise", dict(cuda=True, capability=(10, 0), te_version="2.8.0", device_name="B200"),
-     "Hopper"),
+    ("hybrid", "blockwise", dict(cuda=True, capability=(8, 9), te_version="2.20.2", device_name="L40S"),
+     ">= 9.0, but L40S has 8.9"),
     ("hybrid", "mxfp8", dict(H100, te_version="2.8.0"), ">= 10.0"),
     ("fp16", "delayed", dict(H100, te_version="2.8.0"), "model.fp8='fp16'"),
 ])
@@ -127,6 +129,28 @@ def test_fp8_fields_reach_megatron_and_reference_stays_bf16():
         transformer_config(m, _ps(), use_te=False, fp8=True)
 
 
+@contextlib.contextmanager
+def _megatron_world_of_one():
+    """A gloo world of this one process with megatron's groups (TP = PP = 1), CPU-patched."""
+    from megatron.core import parallel_state as mpu
+    import torch.distributed as dist
+    from grpo_mega.distributed import cpu_compat
+    from grpo_mega.distributed.state import free_port
+    cpu_compat.apply()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                                rank=0, world_size=1)
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+    from megatron.core import tensor_parallel
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)  # the RNG streams a forward forks
+    try:
+        yield
+    finally:
+        mpu.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
 def test_local_spec_without_te_and_fp8_micro_batches_pad_to_16():
     """Guards against selecting TE layers on a machine without TE, and against FP8 GEMMs
     failing on token counts that are not a multiple of 16."""
@@ -139,22 +163,11 @@ def test_local_spec_without_te_and_fp8_micro_batches_pad_to_16():
     cfg = load_config(None, ["--model.vocab_size=64", "--model.hidden_size=32",
                              "--model.num_attention_heads=2", "--model.num_query_groups=1",
                              "--model.ffn_hidden_size=64", "--model.num_layers=1"]).model
-    from megatron.core import parallel_state as mpu
-    import torch.distributed as dist
-    from grpo_mega.distributed.state import free_port
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
-                                rank=0, world_size=1)
-    if not mpu.model_parallel_is_initialized():
-        mpu.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
-    try:
+    with _megatron_world_of_one():
         model = build_model(cfg, _ps())
         names = {type(mod).__name__ for mod in model.modules()}
         assert not any(n.startswith("TE") for n in names), names
         assert "ColumnParallelLinear" in names
-    finally:
-        mpu.destroy_model_parallel()
-        dist.destroy_process_group()
 
     rows = ([[1, 2, 3], [1]], [[4, 5], [6, 7, 8, 9]], [[-0.5, -0.25], [-1.0] * 4], [0.0, 0.0])
     fp8 = load_config(None, ["--model.fp8=hybrid"]).model
@@ -257,3 +270,103 @@ def test_gpu_ready_transformer_engine_never_falls_back_silently(tmp_path, monkey
             del sys.modules[k]
     with pytest.raises(ConfigError, match="--model.transformer_impl"):
         validate(load_config(None, ["--model.transformer_impl=te"]))
+
+
+def test_gpu_ready_blockwise_fp8_allowed_on_blackwell():
+    """Guards against issue 39 finding 8: ``blockwise`` was refused on Blackwell (sm100),
+    where Transformer Engine emulates it (TE's support matrix; TE's own probe, which
+    check_fp8_here also asks, knows where its version cannot); Hopper still runs it."""
+    for cap in ((9, 0), (10, 0), (12, 0)):
+        assert fp8_problem("hybrid", "blockwise", cuda=True, capability=cap, te_version="2.20.2") is None
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "mxfp8"])
+def test_gpu_ready_sequence_parallel_fp8_pads_each_rank_to_the_alignment(recipe):
+    """Guards against issue 39 finding 6: with sequence parallelism FP8 micro-batches were
+    padded to lcm(align, tp), but TE checks each TP rank's rows (s/tp) against the alignment
+    before its all-gather: 16 at TP 4 leaves 4 rows per rank (mxfp8: 32 at TP 2, 16 rows)."""
+    from grpo_mega.models.precision import fp8_align_size
+
+    m = load_config(None, ["--model.fp8=hybrid", f"--model.fp8_recipe={recipe}",
+                           "--model.sequence_parallel=true"]).model
+    align = fp8_align_size(recipe)
+    for tp in (1, 2, 4, 8):
+        s = seq_multiple(m, tp)
+        assert s % tp == 0 and (s // tp) % align == 0, (recipe, tp, s)
+
+
+def test_gpu_ready_broken_te_error_names_the_rebuild_against_this_torch(tmp_path, monkeypatch, caplog):
+    """Guards against issue 39 finding 4: TE's torch part, built by pip in an isolated
+    environment against PyPI's newest torch, fails to import against the machine's torch,
+    and the error told the user to run that same install again (pip install -e '.[gpu]').
+    It must name the rebuild without build isolation (and without pip's cached wheel); the
+    command's version is the gpu extra's pin, and the GPU guide shows the same commands."""
+    import re
+    import sys
+    from pathlib import Path
+
+    from grpo_mega.models.precision import TE_VERSION, choose_te, te_install_command
+
+    root = Path(__file__).resolve().parents[3]
+    pin = re.search(r"transformer-engine\[[^\]]*\]==([0-9.]+)", (root / "setup.py").read_text())
+    assert pin and pin[1] == TE_VERSION
+    rebuild = te_install_command(reinstall=True)
+    for flag in ("--no-build-isolation", "--no-cache-dir", "--force-reinstall", f"=={TE_VERSION}"):
+        assert flag in rebuild
+    assert "--no-build-isolation" in te_install_command("13.0") and "core_cu13" in te_install_command("13.0")
+    guide = (root / "docs/guides/gpu.md").read_text()
+    assert rebuild in guide and te_install_command("13.0") in guide
+    with caplog.at_level("WARNING"):  # not installed: the warning names the install
+        choose_te("cuda", "auto")
+    assert "--no-build-isolation" in caplog.text
+    _fake_te(tmp_path, "raise ImportError('transformer_engine_torch.so: undefined symbol: _ZN3c10')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(RuntimeError, match="undefined symbol") as e:
+            choose_te("cuda", "auto")
+        assert rebuild in str(e.value) and "--model.transformer_impl=local" in str(e.value)
+    finally:
+        for k in [k for k in sys.modules if k.startswith("transformer_engine")]:
+            del sys.modules[k]
+
+
+def _fp8_stage(cfg):
+    """A megatron model whose config says FP8, as TE leaves it after a forward: its
+    TE-like submodule's ``is_first_microbatch`` is False (reuse the cached FP8 cast)."""
+    from grpo_mega.models import build_model
+
+    model = build_model(cfg, _ps())
+    model.config.fp8 = "hybrid"  # after construction: megatron's check reads the field only
+    model.output_layer.is_first_microbatch = False
+    return model
+
+
+def test_gpu_ready_fp8_weight_casts_refreshed_for_policy_and_reference():
+    """Guards against issue 39 finding 7: with PP > 1 and ``kl_kind: full`` megatron's
+    schedule runs the policy+reference wrapper, which lacked ``set_is_first_microbatch``,
+    so TE never recast the policy's FP8 weights after its first step (megatron refreshes the
+    model it runs at each step's first micro-batch, if it has the method). At PP = 1 the
+    schedule runs the policy alone, so the reference riding along must be refreshed too."""
+    import inspect
+
+    from megatron.core.pipeline_parallel import schedules
+
+    from grpo_mega.distributed.schedule import _WithReference, run_microbatches
+
+    assert "set_is_first_microbatch" in inspect.getsource(schedules.forward_step)  # megatron's side
+    cfg = load_config(None, ["--model.vocab_size=64", "--model.hidden_size=32",
+                             "--model.num_attention_heads=2", "--model.num_query_groups=1",
+                             "--model.ffn_hidden_size=64", "--model.num_layers=1"]).model
+    with _megatron_world_of_one():
+        policy, ref = _fp8_stage(cfg), _fp8_stage(cfg)
+        runner = _WithReference(policy, ref)  # PP > 1
+        assert hasattr(runner, "set_is_first_microbatch")
+        runner.set_is_first_microbatch()
+        assert policy.output_layer.is_first_microbatch and ref.output_layer.is_first_microbatch
+        ref.output_layer.is_first_microbatch = False  # PP = 1: a real schedule run
+        ref.config.fp8 = policy.config.fp8 = None  # the forward itself runs without TE
+        ref.set_is_first_microbatch = lambda: setattr(ref.output_layer, "is_first_microbatch", True)
+        mb = {"tokens": torch.zeros(1, 4, dtype=torch.long)}
+        run_microbatches(policy, [mb], lambda out, mb, ref_out: (out.sum(), {}), _ps(),
+                         forward_only=True, reference=ref)
+        assert ref.output_layer.is_first_microbatch

@@ -215,3 +215,67 @@ def test_gpu_ready_stepwise_engine_calls_fit_vllm_026(gpu_engine, monkeypatch):
     _bind("LLMEngine.step", (), {})
     assert "output_kind" in SNAP["fields"]["SamplingParams"]
     assert "RequestOutputKind" in SNAP["classes"]["vllm/sampling_params.py"]
+
+
+def test_gpu_ready_rollout_enforce_eager_and_model_runner_reach_vllm_026(monkeypatch):
+    """Guards against issue 39 findings 5 and 8. No switch turned vLLM's torch.compile and
+    CUDA graphs off (``rollout.enforce_eager``, the first thing to flip when a GPU run fails),
+    and nothing pinned the model runner: unless VLLM_USE_V2_MODEL_RUNNER says otherwise,
+    vLLM 0.26.0 runs Model Runner V2 for dense models on GPU, while the CPU suite and this
+    snapshot cover V1 (V2 divides bf16 logits by the temperature in place). Both fields go
+    from the config to ``LLM(...)`` and to the engine's start environment, whose vLLM
+    variables must be ones 0.26.0 reads."""
+    import dataclasses
+
+    from grpo_mega.config import ConfigError, load_config
+    from grpo_mega.preflight.validate import validate
+    from grpo_mega.trainer.trainer import engine_config
+
+    calls = _Calls()
+    monkeypatch.setitem(sys.modules, "vllm", _fake_vllm(calls))
+    monkeypatch.setitem(sys.modules, "vllm.inputs", sys.modules["vllm"].inputs)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+    def engine(*flags):
+        cfg = load_config(None, ["--model.hf_checkpoint=/nonexistent/model", *flags])
+        return RolloutEngine(dataclasses.replace(engine_config(cfg), warmup=False), SamplingConfig(n=2))
+
+    default = engine()
+    assert "enforce_eager" not in default._llm_kwargs()  # vLLM's GPU default: compiled, graphs
+    env = default._engine_env()
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    assert {k for k in env if k.startswith("VLLM_")} <= set(SNAP["env"]), env
+    assert SNAP["classes"]["vllm/v1/worker/gpu_model_runner.py"] == ["GPUModelRunner"]
+    eager = engine("--rollout.enforce_eager=true", "--rollout.model_runner=auto")
+    kw = eager._llm_kwargs()
+    _check_llm_kwargs(kw)
+    assert kw["enforce_eager"] is True and "VLLM_USE_V2_MODEL_RUNNER" not in eager._engine_env()
+    assert engine("--rollout.model_runner=v2")._engine_env()["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    with pytest.raises(ConfigError, match="rollout.model_runner"):
+        validate(load_config(None, ["--rollout.model_runner=v3"]), 1, check_hardware=False)
+
+
+def test_gpu_ready_moe_probe_refuses_flashinfer_layout_of_vllm_026():
+    """Guards against issue 39 finding 8: on Blackwell vLLM 0.26.0 prefers FlashInfer's MoE
+    kernels and reshuffles w13/w2 for them (``convert_to_unquantized_kernel_format``: gate and
+    up halves swapped, or re-blocked), a step the weight probe does not see, so it would read
+    the wrong elements and call a correct sync wrong. Such a layer is refused by name with
+    the flag that skips the check; the backends the probe reads are 0.26.0's own names."""
+    import enum
+
+    from grpo_mega.rollout import vllm_moe
+
+    names = SNAP["members"]["UnquantizedMoeBackend"]
+    assert set(vllm_moe._PROBED_BACKENDS) <= set(names)
+    backends = enum.Enum("UnquantizedMoeBackend", {n: n.replace("_", " ") for n in names})
+    layer = torch.nn.Module()
+    layer.register_parameter("w13_weight", torch.nn.Parameter(torch.zeros(2, 4, 2)))
+    layer.quant_method = types.SimpleNamespace(unquantized_backend=backends.FLASHINFER_CUTLASS)
+    model = torch.nn.Module()
+    model.mlp = torch.nn.Module()
+    model.mlp.add_module("experts", layer)
+    with pytest.raises(NotImplementedError, match="FLASHINFER CUTLASS.*--rollout.verify_sync=false"):
+        vllm_moe.probe_expert(model, "mlp.experts.0.gate_proj.weight", [0])
+    for name in vllm_moe._PROBED_BACKENDS:
+        layer.quant_method.unquantized_backend = backends[name]
+        vllm_moe._check_known_layout(layer, "mlp.experts.0.gate_proj.weight")
