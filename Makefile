@@ -10,8 +10,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.grpo-mega-installed
-# setup.py's pin. It declares Python >= 3.12 but runs this project on 3.11, so it goes in alone
-# first with --ignore-requires-python (no other package skips the check); pip then keeps it.
+# setup.py's pin; it declares Python >= 3.12 but runs here on 3.11: installed alone, --ignore-requires-python.
 MEGATRON_CORE := megatron-core==0.19.2
 export OMP_NUM_THREADS ?= 1
 
