@@ -29,6 +29,15 @@ _SESSION = uuid.uuid4().hex  # fresh even inside another session: it must not ch
 os.environ[MARKER] = _SESSION
 os.environ["GRPO_MEGA_SHM_TAG"] = _SESSION[:6]  # this session's engines name their segments so
 _SHM_BEFORE = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+# On CPU, vLLM's sampler keeps ``@torch.compile`` helpers (``gather_logprobs``) that
+# ``enforce_eager`` does not turn off: every process that starts an engine traced and loaded
+# them again (dynamo, inductor's cache, ISA checks in g++ subprocesses), about 4 of the 25
+# CPU-seconds of a two-step demo run (measured 2026-11-28). With dynamo off, every test
+# process and its children (ranks, engines) run them eagerly: the same held-out accuracy on
+# the demo run; the compiled path is vLLM's own. GPU machines keep it; so does
+# TORCHDYNAMO_DISABLE=0 set before pytest.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 GRACE_S = float(os.environ.get("GRPO_MEGA_LEAK_GRACE_S", "15"))
 """How long leftovers get to exit on their own (ranks and engines take a few seconds)."""
 
