@@ -38,6 +38,9 @@ _SHM_BEFORE = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set(
 # TORCHDYNAMO_DISABLE=0 set before pytest.
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+# vLLM's usage-stats thread reads the CPU's features (cpuinfo, about 0.3 CPU-s per engine) and
+# would try the network: no test engine reports usage.
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 GRACE_S = float(os.environ.get("GRPO_MEGA_LEAK_GRACE_S", "15"))
 """How long leftovers get to exit on their own (ranks and engines take a few seconds)."""
 
