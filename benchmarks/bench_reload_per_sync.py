@@ -1,7 +1,7 @@
 """Benchmark: one vLLM reload per weight sync against one reload per bucket (issue 39).
 
-What is timed (one process, CPU, float32, the trainer at TP=1 beside an in-process vLLM
-engine, random weights of a real model's shape): ``WeightBridge.sync()`` with verification
+What is timed (one process, CPU, the trainer at TP=1 beside an in-process vLLM engine,
+random weights of a real model's shape): ``WeightBridge.sync()`` with verification
 on, its buckets delivered to the engine in one of two ways, side by side on the same engine
 and model (the two alternate, repeat by repeat; every sync follows a change of every
 trainer weight):
@@ -18,8 +18,8 @@ the "Failed to load weights" lines that vLLM logged per sync (at WARNING).
 
 Shapes (built locally, no hub access; tied embeddings as the real models):
   135m  SmolLM-135M's: llama, 30 layers, hidden 576, 9 heads / 3 KV heads, MLP 1536, vocab 49152
-  1b    Llama-3.2-1B's: llama, 16 layers, hidden 2048, 32 / 8 heads, MLP 8192, vocab 128256
-        (about 10 GiB of RAM at its peak: check ``free -g`` first)
+  1b    Llama-3.2-1B's: llama, 16 layers, hidden 2048, 32 / 8 heads, MLP 8192, vocab 128256,
+        in bfloat16 (trainer and engine; float32 needed over 16 GiB of RAM): check ``free -g``
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_reload_per_sync.py --sizes 135m,1b --repeats 3
 
@@ -39,8 +39,10 @@ import bench_weight_sync as W  # noqa: E402  (sets the CPU engine's environment,
 SIZES = {
     "135m": dict(family="llama", tie=True, vocab_size=49152, hidden_size=576, num_layers=30,
                  num_heads=9, num_kv_heads=3, intermediate_size=1536),
+    # bf16 (trainer and engine): in float32 the trainer, the engine and vLLM's prepack held
+    # 16 GiB at once and the run was killed on this 23 GiB machine
     "1b": dict(family="llama", tie=True, vocab_size=128256, hidden_size=2048, num_layers=16,
-               num_heads=32, num_kv_heads=8, intermediate_size=8192),
+               num_heads=32, num_kv_heads=8, intermediate_size=8192, dtype="bfloat16"),
 }
 PATHS = ("per_bucket", "one_reload")
 
@@ -78,9 +80,11 @@ def bench_size(name: str, root: Path, repeats: int, bucket_mb: float) -> dict:
 
     from grpo_mega.bridge import WeightBridge
 
-    hf_dir, cfg, ps, model = W.trainer(SIZES[name], root)
+    shape = dict(SIZES[name])
+    dtype = shape.pop("dtype", None)
+    hf_dir, cfg, ps, model = W.trainer(shape, root, dtype)
     params = sum(p.numel() for p in model.parameters())
-    engine = W._engine(hf_dir)
+    engine = W._engine(hf_dir, dtype)
     engines = {"per_bucket": PerBucketReload(engine), "one_reload": engine}
     bridges = {p: WeightBridge(model, cfg, ps, [engines[p]], bucket_bytes=int(bucket_mb * 2**20))
                for p in PATHS}
@@ -99,7 +103,7 @@ def bench_size(name: str, root: Path, repeats: int, bucket_mb: float) -> dict:
             runs[p].append((time.perf_counter() - start, stats.engine_seconds, lines.count - before,
                             stats.buckets, stats.bytes))
     engine.shutdown()
-    res = {"size": name, "params": params, "bucket_mb": bucket_mb}
+    res = {"size": name, "params": params, "bucket_mb": bucket_mb, "dtype": dtype or "float32"}
     for p in PATHS:
         res[p] = {"sync_s": statistics.median(r[0] for r in runs[p]),
                   "engine_s": statistics.median(r[1] for r in runs[p]),
@@ -110,7 +114,7 @@ def bench_size(name: str, root: Path, repeats: int, bucket_mb: float) -> dict:
 
 def _report(res: dict) -> None:
     old, new = res["per_bucket"], res["one_reload"]
-    print(f"[bench] {res['size']}: {res['params'] / 1e6:.0f}M params, {new['bytes'] / 1e6:.0f} MB in "
+    print(f"[bench] {res['size']}: {res['params'] / 1e6:.0f}M params ({res['dtype']}), {new['bytes'] / 1e6:.0f} MB in "
           f"{new['buckets']} buckets of {res['bucket_mb']:g} MiB", flush=True)
     for p in PATHS:
         r = res[p]

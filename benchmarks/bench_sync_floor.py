@@ -12,9 +12,9 @@ engine, the ~100M-parameter model of ``bench_weight_sync.py``), each the median 
   file transport  the cross-process transport: the tensors written as a safetensors
                   file in /dev/shm and read back the way the worker reads it (the
                   in-process ``tensors`` transport hands over references: no copy)
-  vllm reload     ``engine.update_weights`` in the ``tensors`` transport: vLLM's
-                  ``reload_weights`` (its repack) plus the tied-module repack, i.e. the
-                  engine's part, not ours
+  vllm reload     ``engine.update_weights`` of every bucket in the ``tensors`` transport,
+                  then ``reset_prefix_cache``: one vLLM reload (its repack) plus the
+                  tied-module repack, i.e. the engine's part, not ours
   sync            ``WeightBridge.sync()`` as the trainer runs it (tensors transport,
                   verification on)
   floor           ``dst.copy_(src)`` of every exported tensor into preallocated

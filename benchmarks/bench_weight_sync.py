@@ -52,12 +52,13 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _engine(hf_dir: Path):
-    """The trainer's rollout engine, in-process, on a tokenizer-less checkpoint."""
+def _engine(hf_dir: Path, dtype: str | None = None):
+    """The trainer's rollout engine, in-process, on a tokenizer-less checkpoint (``dtype``:
+    ``EngineConfig.dtype``, None: float32 on CPU)."""
     from grpo_mega.rollout import EngineConfig, RolloutEngine
 
     return RolloutEngine(EngineConfig(str(hf_dir), mode="inprocess", max_model_len=64, warmup=False,
-                                      extra={"skip_tokenizer_init": True}))
+                                      dtype=dtype, extra={"skip_tokenizer_init": True}))
 
 
 def _save_hf(model, cfg, ps, src: Path, out: Path) -> None:
@@ -75,10 +76,12 @@ def _save_hf(model, cfg, ps, src: Path, out: Path) -> None:
     os.sync()  # a checkpoint is on disk only once written back
 
 
-def trainer(shape: dict, root: Path):
+def trainer(shape: dict, root: Path, dtype: str | None = None):
     """(hf_dir, cfg, ps, model): a random HF checkpoint of ``shape`` (``write_hf_checkpoint``
     keyword arguments, ``family`` among them) written to ``root/hf`` and loaded into a
-    megatron model at TP=1, in a world of one process."""
+    megatron model at TP=1 (in ``dtype``, None: the checkpoint's), in a world of one process."""
+    import dataclasses
+
     import torch
 
     from grpo_mega.checkpoint import convert
@@ -89,6 +92,8 @@ def trainer(shape: dict, root: Path):
     kw = dict(shape)
     hf_dir = write_hf_checkpoint(root / "hf", kw.pop("family"), **kw)
     cfg = convert.read_model_config(hf_dir)
+    if dtype is not None:
+        cfg = dataclasses.replace(cfg, dtype=dtype)
     if not torch.distributed.is_initialized():  # file rendezvous, no port to race for
         torch.distributed.init_process_group("gloo", init_method=f"file://{root / 'world'}",
                                              rank=0, world_size=1)
