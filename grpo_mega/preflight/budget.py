@@ -72,7 +72,7 @@ from grpo_mega.config import Config, ConfigError, ModelConfig, derived_dp, load_
 from grpo_mega.preflight.shape import describe_shape, model_shape_from_hf
 from grpo_mega.preflight.params import ParamCount, count_params, head_dim, padded_vocab
 from grpo_mega.preflight.phases import (CUDA_GRAPH_POOL_GIB, RUNTIME_RESERVE_GIB, SAVE_GATHER_GIB, Row,
-                                        phase_rows)
+                                        graph_pool_gib, phase_rows)
 from grpo_mega.preflight.paths import check_paths
 from grpo_mega.preflight.validate import validate
 
@@ -302,7 +302,7 @@ def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = GPU_GIB) -> Budg
     ref_extra = tokens * vpad / tp * (wb + 8) / GiB + (n * wb / GiB if ref_on and offload else 0.0)
     b.phases = phase_rows(b.trainer, placement=r.placement, sleeps=r.sleep_between_rollouts, share=share,
                           engine_weights=ew, reference_extra=ref_extra, sync_bucket=r.sync_bucket_mb / 1024,
-                          save_gather=SAVE_GATHER_GIB if ours else 0.0)
+                          save_gather=SAVE_GATHER_GIB if ours else 0.0, graph_pool=graph_pool_gib(r.enforce_eager))
     b.host_save_gib = b.row("optimizer") * dp if zero else 0.0
     return b
 

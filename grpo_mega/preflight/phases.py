@@ -41,27 +41,34 @@ class Row:
     """Held in every phase (weights, optimizer state), not only in the update."""
 
 
-def engine_asleep_gib(placement: str, sleeps: bool, share: float) -> float:
+def graph_pool_gib(enforce_eager: bool | None) -> float:
+    """The CUDA-graph pool an engine keeps while asleep: none with ``rollout.enforce_eager``
+    true (no graphs are captured), else ``CUDA_GRAPH_POOL_GIB``."""
+    return 0.0 if enforce_eager else CUDA_GRAPH_POOL_GIB
+
+
+def engine_asleep_gib(placement: str, sleeps: bool, share: float, graph_pool: float = CUDA_GRAPH_POOL_GIB) -> float:
     """What the engine holds on a trainer GPU while released: 0 (separate placement), its
     CUDA-graph pool (sleep mode), or its whole share (an engine that does not sleep)."""
     if placement == "separate":
         return 0.0
-    return CUDA_GRAPH_POOL_GIB if sleeps else share
+    return graph_pool if sleeps else share
 
 
 def phase_rows(trainer: list[Row], *, placement: str, sleeps: bool, share: float, engine_weights: float,
-               reference_extra: float, sync_bucket: float, save_gather: float) -> list[Row]:
+               reference_extra: float, sync_bucket: float, save_gather: float,
+               graph_pool: float = CUDA_GRAPH_POOL_GIB) -> list[Row]:
     """Per-GPU GiB of each phase (``Row.note`` says what it holds). ``reference_extra``:
     what the forward-only log-probs add (logits, an offloaded reference brought back);
     ``save_gather``: the save's transient on the accelerator."""
     resident = sum(r.gib for r in trainer if r.resident)
     update = sum(r.gib for r in trainer if not r.resident)
     held = f"trainer state {resident:.2f}"
-    asleep = engine_asleep_gib(placement, sleeps, share)
+    asleep = engine_asleep_gib(placement, sleeps, share, graph_pool)
     if placement == "separate":
         awake, woken, what = 0.0, 0.0, "no engine on this GPU"
     elif sleeps:
-        awake, woken, what = share, CUDA_GRAPH_POOL_GIB + engine_weights, "engine's CUDA-graph pool"
+        awake, woken, what = share, graph_pool + engine_weights, "engine's CUDA-graph pool"
     else:
         awake, woken, what = share, share, "engine awake (rollout.sleep_between_rollouts=false)"
     r = RUNTIME_RESERVE_GIB

@@ -28,3 +28,15 @@ def test_budget_training_phase_holds_the_engine_share_exactly_when_the_engine_st
     expected = trainer + RUNTIME_RESERVE_GIB + (CUDA_GRAPH_POOL_GIB if sleep else share)
     assert b.training_phase_gib == pytest.approx(expected, rel=1e-12)
     assert b.peak_gib >= b.training_phase_gib
+
+
+def test_budget_of_an_eager_engine_holds_no_cuda_graph_pool_while_asleep():
+    """Guards against a budget that charges vLLM's CUDA-graph pool to an engine started with
+    ``rollout.enforce_eager: true`` (no graphs are captured): the first thing to flip when a
+    GPU run fails would then report less headroom than it gives. Asleep, an eager engine
+    holds nothing on the trainer's GPU; a graph-capturing one holds its pool."""
+    eager = memory_budget(c := load_config(CONFIG, ["--rollout.enforce_eager=true"]), derive_layout(c, 64))
+    graphs = memory_budget(c := load_config(CONFIG, ["--rollout.enforce_eager=false"]), derive_layout(c, 64))
+    trainer = sum(r.gib for r in eager.trainer)
+    assert eager.training_phase_gib == pytest.approx(trainer + RUNTIME_RESERVE_GIB, rel=1e-12)
+    assert graphs.training_phase_gib - eager.training_phase_gib == pytest.approx(CUDA_GRAPH_POOL_GIB, rel=1e-12)
