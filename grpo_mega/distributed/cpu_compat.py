@@ -206,6 +206,19 @@ class _CudaNamesOnCpu(torch.overrides.TorchFunctionMode):
         return out
 
 
+class _HostStream:
+    """What ``torch.cuda.current_stream()`` returns under ``enable_megatron_optimizer``:
+    megatron-core 0.19's grad sync (``param_and_grad_buffer.start_grad_sync``) asks for the
+    current stream on every call to wait on CUDA-graph events, which a CPU run never records;
+    on the host there is nothing to wait for."""
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
 def enable_megatron_optimizer() -> None:
     """Let megatron's DDP + DistributedOptimizer (``optimizer.distributed_impl=megatron``) run
     on CPU, for tests that compare it with the project's optimizers over gloo: for the rest of
@@ -216,5 +229,6 @@ def enable_megatron_optimizer() -> None:
     if not needed() or _MEGATRON_OPTIMIZER:
         return
     apply()
+    torch.cuda.current_stream = lambda device=None: _HostStream()
     _CudaNamesOnCpu().__enter__()  # stays on: this process now stands in for a GPU job
     _MEGATRON_OPTIMIZER = True
