@@ -115,7 +115,7 @@ def _faults(rank, world, root, marker):
     variants = {
         "intact": lambda d: None,
         "no shard files": lambda d: [f.unlink() for f in d.glob("*.distcp")],
-        "truncated shard": lambda d: (d / "__0_1.distcp").write_bytes((d / "__0_1.distcp").read_bytes()[:500]),
+        "truncated shard": lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:500]),
         "corrupt tensor entry": _corrupt_tensor_entry,
         "corrupt object entry": lambda d: _replace_object_entry(d, b"\x00" * 40),
         "corrupt index": lambda d: (d / ".metadata").write_bytes(b"not a pickle"),
@@ -217,7 +217,7 @@ def faults(tmp_path_factory):
 
 NAMED_FILE = {
     "no shard files": ("__0_0.distcp", "missing"),
-    "truncated shard": ("__0_1.distcp", "truncated"),
+    "truncated shard": ("__0_0.distcp", "truncated"),
     "corrupt tensor entry": (".distcp", "corrupt"),
     "corrupt object entry": (".distcp", "corrupt"),
     "corrupt index": (".metadata", "corrupt"),
