@@ -84,7 +84,11 @@ def test_gpu_ready_layer_spec_arguments_fit_megatron_019(monkeypatch, variant, u
         def spec(*args, **kwargs):
             calls.append((name, args, kwargs))
             keys = {"input_layernorm.": "x", "pre_mlp_layernorm.": "y"}
-            return types.SimpleNamespace(submodules=types.SimpleNamespace(sharded_state_dict_keys_map=keys))
+            # the shape layer_spec edits: the keys map, and the self-attention whose core
+            # attention the local spec swaps for the packed-aware one (models/packing.py)
+            attn = types.SimpleNamespace(submodules=types.SimpleNamespace(core_attention=None))
+            return types.SimpleNamespace(submodules=types.SimpleNamespace(sharded_state_dict_keys_map=keys,
+                                                                          self_attention=attn))
         return spec
 
     for name in ("get_gpt_layer_with_transformer_engine_spec", "get_gpt_layer_local_spec"):

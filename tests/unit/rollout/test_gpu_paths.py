@@ -35,6 +35,9 @@ class _Engine(S.SleepPhases):
         self.releases = self.resumes = 0
         self.memory_released, self._asleep, self._weights_stale = False, set(), False
 
+    def _finish_update(self):
+        """The host's hook (sleep.SleepPhases docstring): closes an open reload; none here."""
+
 
 @pytest.fixture
 def gpu_log(monkeypatch):
@@ -90,8 +93,10 @@ def test_gpu_ready_child_engine_runs_on_this_ranks_gpu(monkeypatch):
         child_visible_devices("0,1", 2)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 5)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    from grpo_mega.rollout.types import EngineConfig
+
     e = RolloutEngine.__new__(RolloutEngine)
-    e.on_cpu, e.mode = False, "child"
+    e.on_cpu, e.mode, e.config = False, "child", EngineConfig(model="unused")
     assert e._engine_env()["CUDA_VISIBLE_DEVICES"] == "5"
     e.mode = "external_launcher"  # vLLM takes LOCAL_RANK itself there
     assert "CUDA_VISIBLE_DEVICES" not in e._engine_env()

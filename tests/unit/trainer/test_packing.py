@@ -120,9 +120,14 @@ def check_packed_equals_padded(r: dict) -> None:
 
 @pytest.fixture(scope="module")
 def tp1():
-    from grpo_mega.distributed.state import init_parallel
+    """The TP=1 results; the single-rank world is torn down after, because the xdist worker
+    runs other files in this process (test_preflight_faults asserts no process group)."""
+    from grpo_mega.distributed.state import destroy_parallel, init_parallel
 
-    return packed_paths(init_parallel(1, 1, seed=11))
+    try:
+        yield packed_paths(init_parallel(1, 1, seed=11))
+    finally:
+        destroy_parallel()
 
 
 def test_packed_logprobs_equal_padded_tp1_fp64(tp1):
