@@ -27,7 +27,7 @@ import os
 import sys
 import time
 
-from grpo_mega import console, lifeline
+from grpo_mega.runtime import console, lifeline
 
 if __name__ == "__mp_main__":  # a multiprocessing child of a rank re-imports this module first
     lifeline.watch_spawning_parent()
@@ -42,7 +42,7 @@ if __name__ != "__mp_main__":
     import torch  # noqa: E402
     import torch.distributed as dist  # noqa: E402
 
-    from grpo_mega import faults  # noqa: E402
+    from grpo_mega.runtime import faults  # noqa: E402
     from grpo_mega.trainer import stages as S  # noqa: E402
     from grpo_mega.trainer.pipeline import RolloutPipeline  # noqa: E402
     from grpo_mega.trainer.stages import stage  # noqa: E402

@@ -35,7 +35,7 @@ def _worker(rank, world_size, port, fn, args, queue, backend="gloo"):
     import torch
     import torch.distributed as dist
 
-    from grpo_mega import lifeline
+    from grpo_mega.runtime import lifeline
 
     lifeline.watch_parent("test process", label=f"test rank {rank}")  # no orphan outlives pytest
     torch.set_num_threads(1)

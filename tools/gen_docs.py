@@ -7,7 +7,7 @@
 Pages: the config reference (an index and a page per section; every field with its type, default, allowed values from the
 registries and validation, and its docstring), the command line of every tool and launcher,
 the registries, the support matrix (versions from setup.py's pins, families from the mapping
-tables, layouts from the tests' own layout lists), and the metrics glossary (``grpo_mega/glossary.py``).
+tables, layouts from the tests' own layout lists), and the metrics glossary (``grpo_mega/runtime/glossary.py``).
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def config_pages() -> dict[str, str]:
         pages[f"reference/config/{sec.name}.md"] = "\n".join(out)
         rows.append(f"| [`{sec.name}`](config/{sec.name}.md) | {about} | {len(fields)} |")
     index = [GENERATED, "", "# Config reference", "",
-             "Every field of `grpo_mega/config.py` (the `model` section: `grpo_mega/config_model.py`), one "
+             "Every field of `grpo_mega/config/` (the `model` section: `grpo_mega/config/model.py`), one "
              "page per section. Set them in a YAML file (`--config FILE`, one mapping per section) or on "
              "the command line as `--section.key=value`; `python -m grpo_mega.train --help` prints the "
              "same list. Allowed values come from the registries and the start-up validation "
@@ -299,11 +299,11 @@ def support_page() -> str:
 
 
 def metrics_page() -> str:
-    from grpo_mega.glossary import METRICS, STAGES
+    from grpo_mega.runtime.glossary import METRICS, STAGES
 
     out = [GENERATED, "", "# Metrics glossary", "",
            "Every key the trainer writes to `metrics.jsonl` (also TensorBoard and wandb), one row per "
-           "step (`grpo_mega/glossary.py`; the integration tests fail on a logged key missing here).", "",
+           "step (`grpo_mega/runtime/glossary.py`; the integration tests fail on a logged key missing here).", "",
            "| metric | unit | meaning |", "|---|---|---|"]
     out += [f"| `{k}` | {u} | {m} |" for k, (u, m) in METRICS.items()]
     out += ["", "## Stage times", "", "`time/<stage>` is the seconds a stage took in the step "

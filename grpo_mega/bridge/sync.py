@@ -26,7 +26,7 @@ import torch.distributed as dist
 from grpo_mega.bridge.export import DEFAULT_BUCKET_BYTES, export_buckets, nbytes
 from grpo_mega.bridge.verify import make_probe, verify_engine
 from grpo_mega.config import ModelConfig
-from grpo_mega.faults import fault_point
+from grpo_mega.runtime.faults import fault_point
 from grpo_mega.models import hf as mapping
 
 __all__ = ["WeightBridge", "SyncStats", "WeightSyncError"]

@@ -54,8 +54,8 @@ from grpo_mega.config import ModelConfig
 from grpo_mega.models import hf as mapping
 from grpo_mega.models.hf import MissingTensorError, ShapeMismatchError
 from grpo_mega.models.hf_config import hf_config_from_model_config, model_config_from_hf
-from grpo_mega.console import bar as progress_bar
-from grpo_mega.console import shown
+from grpo_mega.runtime.console import bar as progress_bar
+from grpo_mega.runtime.console import shown
 
 __all__ = [
     "CheckpointError", "hf_to_mcore", "mcore_to_hf", "load_mcore_weights", "load_hf_weights",
@@ -157,7 +157,7 @@ def hf_to_mcore(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                 overwrite: bool = False, progress: Progress = print, bar: bool = False) -> Path:
     """Convert an HF checkpoint to a megatron-core torch_dist checkpoint in ``out_dir``.
 
-    ``bar``: a progress bar over the tensors on a terminal (``grpo_mega.console``), in
+    ``bar``: a progress bar over the tensors on a terminal (``grpo_mega.runtime.console``), in
     place of a ``progress`` line per tensor.
 
     Runs in one process or collectively under torchrun (each rank converts and writes

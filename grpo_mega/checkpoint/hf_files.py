@@ -108,7 +108,7 @@ class _ShardWriter:
             self.total += n
 
     def flush(self) -> None:
-        from grpo_mega.safetensors_io import write_safetensors
+        from grpo_mega.common.safetensors_io import write_safetensors
 
         if not self.pending:
             return

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Optional
 
 from grpo_mega.checkpoint.io import CheckpointError
-from grpo_mega.faults import fault_point
+from grpo_mega.runtime.faults import fault_point
 
 MARKER = ".grpo-mega-checkpoint"
 META = "grpo_meta.json"

@@ -34,7 +34,7 @@ from grpo_mega.checkpoint import steps
 from grpo_mega.checkpoint.io import (CheckpointError, check_finite, check_object_entries, check_shard_files,
                                      find_corrupt_shard, load_plain, read_index, weights_only_loads)
 from grpo_mega.distributed.state import ParallelState
-from grpo_mega.faults import fault_point
+from grpo_mega.runtime.faults import fault_point
 from grpo_mega.models import sharded_state_dict
 
 SHAPE_FIELDS = ("family", "vocab_size", "hidden_size", "num_layers", "num_attention_heads",

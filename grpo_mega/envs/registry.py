@@ -14,7 +14,7 @@ import inspect
 from typing import Any, Callable, Mapping
 
 from grpo_mega.envs.types import Environment
-from grpo_mega.qualified import import_qualified
+from grpo_mega.common.qualified import import_qualified
 
 __all__ = ["EnvFactory", "ENV_REGISTRY", "register_env", "resolve_env", "check_env_kwargs", "make_env"]
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from grpo_mega.config import OptimizerConfig
-from grpo_mega.faults import fault_point
+from grpo_mega.runtime.faults import fault_point
 from grpo_mega.distributed.state import ParallelState
 
 

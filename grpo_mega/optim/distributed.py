@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from grpo_mega.config import OptimizerConfig
 from grpo_mega.distributed.state import ParallelState
-from grpo_mega.faults import fault_point
+from grpo_mega.runtime.faults import fault_point
 from grpo_mega.optim.adamw import clip_coefficient, counts_once, is_tp_partial_grad
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -37,7 +37,7 @@ import torch
 from grpo_mega.config import OptimizerConfig
 from grpo_mega.distributed import cpu_compat
 from grpo_mega.distributed.state import ParallelState
-from grpo_mega.faults import fault_point
+from grpo_mega.runtime.faults import fault_point
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 

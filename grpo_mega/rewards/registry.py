@@ -21,7 +21,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from grpo_mega.qualified import import_qualified
+from grpo_mega.common.qualified import import_qualified
 
 __all__ = ["RewardFn", "REWARD_REGISTRY", "register_reward", "resolve_reward", "check_reward_kwargs",
            "RewardSpec"]

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Mapping, Sequence
 
-from grpo_mega import lifeline
+from grpo_mega.runtime import lifeline
 from grpo_mega.rewards.registry import RewardFn, RewardSpec, check_reward_kwargs, resolve_reward
 from grpo_mega.rewards.steps import StepScores
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from grpo_mega.data import chat
-from grpo_mega.qualified import import_qualified
+from grpo_mega.common.qualified import import_qualified
 
 __all__ = ["ChatCodec", "load_chat_format"]
 

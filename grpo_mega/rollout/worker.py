@@ -37,7 +37,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from grpo_mega.rollout import vllm_moe
-from grpo_mega.safetensors_io import write_safetensors
+from grpo_mega.common.safetensors_io import write_safetensors
 
 __all__ = ["WorkerExtension", "reload_weights", "reload_weights_from_file", "finish_reload", "probe_weights",
            "repack_shared_weights", "write_weight_file", "WEIGHT_FILE_PREFIX"]

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from grpo_mega.console import write
+from grpo_mega.runtime.console import write
 
 if TYPE_CHECKING:
     from grpo_mega.config import Config

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from grpo_mega.config import mini_batches_per_step
 from grpo_mega.distributed.errors import run_on_src
-from grpo_mega.faults import fault_point
+from grpo_mega.runtime.faults import fault_point
 from grpo_mega.rollout.layout import prompt_slice
 from grpo_mega.rollout.types import RolloutBatch
 

@@ -34,7 +34,7 @@ from grpo_mega import models
 from grpo_mega.algorithms.vocab_parallel_triton import use_fused
 from grpo_mega.config import mini_batches_per_step
 from grpo_mega.distributed.errors import run_on_src
-from grpo_mega.faults import fault_point
+from grpo_mega.runtime.faults import fault_point
 from grpo_mega.models.precision import seq_multiple
 from grpo_mega.trainer.dynamic_sampling import KeptGroups
 from grpo_mega.trainer.batch import (TrainingBatch, compute_logprobs, metrics_to_floats,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from grpo_mega import console
+from grpo_mega.runtime import console
 from grpo_mega.config import Config, ConfigError, cli_config, rollout_tp
 from grpo_mega.preflight.shape import model_shape_from_hf
 from grpo_mega.preflight.paths import check_paths

@@ -1,4 +1,4 @@
-"""Faults injected into the real GRPO job (GRPO_MEGA_FAULT, grpo_mega/faults.py): a rank
+"""Faults injected into the real GRPO job (GRPO_MEGA_FAULT, grpo_mega/runtime/faults.py): a rank
 killed, a failing reward, NaN gradients. Each run must stop with one clear message (or be
 killed), lose nothing already written, and the same command must then resume.
 

@@ -23,7 +23,7 @@ import psutil
 import pytest
 import torch
 
-from grpo_mega.lifeline import kill_tree_now
+from grpo_mega.runtime.lifeline import kill_tree_now
 from grpo_mega.rollout import cpu_shm
 from tests.integration.test_train import ENV, _cmd, _weights
 

@@ -211,13 +211,13 @@ def test_process_supervision_run_learns_step_rewards(tmp_path):
 
 def _rows(run: Path) -> list[dict]:
     """The run's metrics.jsonl rows; every key must be in the metrics glossary
-    (``grpo_mega/glossary.py``, the generated docs/reference/metrics.md), so a new metric
+    (``grpo_mega/runtime/glossary.py``, the generated docs/reference/metrics.md), so a new metric
     cannot go undocumented."""
-    from grpo_mega.glossary import is_documented
+    from grpo_mega.runtime.glossary import is_documented
 
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     undocumented = sorted({k for r in rows for k in r if not is_documented(k)})
-    assert not undocumented, f"metrics missing from grpo_mega/glossary.py: {undocumented}"
+    assert not undocumented, f"metrics missing from grpo_mega/runtime/glossary.py: {undocumented}"
     return rows
 
 

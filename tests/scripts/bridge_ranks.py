@@ -243,7 +243,7 @@ def launch_once(tmp_path_factory=None) -> tuple:
     with open(shared / "bridge_ranks_reports.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also on error
         if path.is_file():
-            from grpo_mega.config_model import ModelConfig  # the bridge result's ``cfg``
+            from grpo_mega.config.model import ModelConfig  # the bridge result's ``cfg``
 
             with torch.serialization.safe_globals([ModelConfig]):
                 return tuple(torch.load(path, weights_only=True))

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from grpo_mega import lifeline
+from grpo_mega.runtime import lifeline
 from grpo_mega.config import cli_config
 
 

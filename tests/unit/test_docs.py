@@ -97,9 +97,9 @@ def test_every_command_in_the_docs_parses_and_validates(where, command):
 
 def test_troubleshooting_names_every_fault_injection_point():
     """Guards against the fault-injection list drifting from the code (the page listed 7
-    points when the code had 10): every point of ``grpo_mega.faults.POINTS`` is named, in
+    points when the code had 10): every point of ``grpo_mega.runtime.faults.POINTS`` is named, in
     backticks, in the paragraph that documents ``GRPO_MEGA_FAULT``."""
-    from grpo_mega.faults import POINTS
+    from grpo_mega.runtime.faults import POINTS
 
     text = (DOCS / "troubleshooting.md").read_text()
     para = text[text.index("**Fault injection**"):]

@@ -1,10 +1,10 @@
-"""The fault-injection hook (grpo_mega/faults.py) and the one-rank-fails-all-raise helper."""
+"""The fault-injection hook (grpo_mega/runtime/faults.py) and the one-rank-fails-all-raise helper."""
 from __future__ import annotations
 
 import pytest
 
-from grpo_mega import faults
-from grpo_mega.faults import Fault, FaultInjected, fault_point, parse
+from grpo_mega.runtime import faults
+from grpo_mega.runtime.faults import Fault, FaultInjected, fault_point, parse
 from tests.distributed import run_ranks
 
 

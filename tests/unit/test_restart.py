@@ -42,7 +42,7 @@ def test_kill_orphaned_rank_stops_with_its_children_when_its_launcher_dies(tmp_p
             subprocess.Popen([sys.executable, __file__, "rank"], start_new_session=True)
             time.sleep(300)
         else:
-            from grpo_mega import lifeline
+            from grpo_mega.runtime import lifeline
             assert lifeline.watch_parent("launcher", interval=0.2, label="rank 0")
             kid = subprocess.Popen(["sleep", "300"])
             print("ready", __import__("os").getpid(), kid.pid, flush=True)
@@ -129,11 +129,11 @@ def test_kill_child_of_a_rank_killed_before_it_could_watch_stops_at_once(tmp_pat
     re-parented to init, where a watcher that reads ``getppid()`` at start sees nothing to
     outlive; it lived for the rest of the machine's day. A child told its parent's pid must
     stop at once when that parent is already gone, and keep running while it is alive."""
-    from grpo_mega import lifeline
+    from grpo_mega.runtime import lifeline
 
     dead = subprocess.Popen([PY, "-c", "pass"])
     dead.wait()
-    code = ("import time; from grpo_mega import lifeline; "
+    code = ("import time; from grpo_mega.runtime import lifeline; "
             "lifeline.watch_spawning_parent('test child'); print('running', flush=True); time.sleep(30)")
     orphan = subprocess.run([PY, "-c", code], env=dict(ENV, **{lifeline.PARENT_ENV: str(dead.pid)}),
                             capture_output=True, text=True, timeout=60)

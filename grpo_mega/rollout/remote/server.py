@@ -40,7 +40,7 @@ import time
 import traceback
 from multiprocessing.connection import Client
 
-from grpo_mega.faults import fault_point
+from grpo_mega.runtime.faults import fault_point
 from grpo_mega.rollout.remote import wire
 
 log = logging.getLogger("grpo_mega.rollout.remote.server")
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
                         format=f"[engine {args.index}] %(message)s")
     log.setLevel(logging.INFO)
     if args.parent_pid:
-        from grpo_mega.lifeline import watch_parent
+        from grpo_mega.runtime.lifeline import watch_parent
 
         watch_parent("controller", label=f"engine server {args.index}", expected_parent=args.parent_pid)
     key = os.environ.get(wire.AUTHKEY_ENV)

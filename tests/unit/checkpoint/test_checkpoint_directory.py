@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_mega import faults
+from grpo_mega.runtime import faults
 from grpo_mega.checkpoint import CheckpointError, latest_checkpoint
 from grpo_mega.checkpoint import steps
 
@@ -123,7 +123,7 @@ def test_latest_and_weight_map_outside_the_checkpoint_directory_are_refused(tmp_
     checkpoint directory (issue 38 finding 10): a crafted pointer or index made a resume
     or an HF load read another directory's files as weights."""
     from grpo_mega.checkpoint.hf_files import HFReader
-    from grpo_mega.safetensors_io import write_safetensors
+    from grpo_mega.common.safetensors_io import write_safetensors
 
     outside = tmp_path / "elsewhere"
     _save(outside, 1, "outsider")

@@ -161,7 +161,7 @@ def _faults(rank, world, root, marker):
             out[f"code in index, {name}"] = (type(e).__name__, str(e), Path(marker).exists())
     # issue 38 finding 8: a re-publish of step 1 killed after the old copy was moved aside
     # and before the new one was renamed into place leaves a checkpoint resume loads.
-    from grpo_mega import faults
+    from grpo_mega.runtime import faults
     from grpo_mega.checkpoint import latest_checkpoint
     republish = Path(root) / "republish"
     shutil.copytree(good.parent, republish)

@@ -4,7 +4,7 @@ Every field carries a docstring (the string literal under it); ``--help`` prints
 them. Overrides use the section path: ``--parallel.tp=2`` or ``--parallel.tp 2``.
 
 This module imports nothing else of grpo_mega but its YAML/CLI coercion
-(``grpo_mega.config_coerce``) and the model section (``grpo_mega.config_model``): the checks that need the registries or the hardware live
+(``grpo_mega.config.coerce``) and the model section (``grpo_mega.config.model``): the checks that need the registries or the hardware live
 in ``grpo_mega.preflight.validate``.
 
     cfg = load_config("my.yaml", ["--parallel.tp=2"])
@@ -19,10 +19,10 @@ from typing import Any, Optional
 
 import yaml
 
-from grpo_mega.config_coerce import (  # noqa: F401  (re-exported: the public config API)
+from grpo_mega.config.coerce import (  # noqa: F401  (re-exported: the public config API)
     ConfigError, apply_dict, apply_overrides, check_numbers, field_docs, parse_overrides, sections_help,
     type_name, yaml_error)
-from grpo_mega.config_model import ModelConfig  # noqa: F401  (re-exported: the model section)
+from grpo_mega.config.model import ModelConfig  # noqa: F401  (re-exported: the model section)
 
 
 @dataclass
@@ -394,7 +394,7 @@ class Config:
 SIGNED_FIELDS = frozenset({"rollout.top_k", "reward.weights"})
 """The numeric fields that may be negative (``rollout.top_k=-1`` disables top-k; a negative
 reward weight makes its term a penalty). Every other number of the config is refused below 0,
-and every float field refuses NaN and infinity (``config_coerce.check_numbers``, run by
+and every float field refuses NaN and infinity (``config.coerce.check_numbers``, run by
 ``preflight.validate``)."""
 
 
