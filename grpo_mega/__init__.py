@@ -3,6 +3,8 @@
 One subpackage per part of the system (docs/concepts/architecture.md; the import rules between
 them are the contracts in ``.importlinter``):
   config, train   typed config (imports nothing of ours); the entry point, a list of stages
+  runtime, common console, lifeline, faults, metric glossary; qualified names, safetensors
+                  (leaves: they import nothing of ours)
   preflight       config validation against the registries, the memory budget
   distributed     ParallelState, the CPU compatibility layer, the pipeline schedule
   models          actor / reference GPTModel builders, precision, sharding rules, HF tables
@@ -12,6 +14,7 @@ them are the contracts in ``.importlinter``):
   bridge          trainer shards -> HF-named buckets -> the engine, verified
   rewards, data   reward registry and scorer; prompt datasets and tokenizers
   checkpoint      resumable trainer state, HF <-> megatron conversion
+  envs, gateway   multi-turn environments; the OpenAI-compatible gateway for agent programs
   trainer         the Trainer, the step's stages, TrainingBatch, metrics
 """
 __version__ = "0.1.0"
