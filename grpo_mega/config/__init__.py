@@ -152,10 +152,19 @@ class EnvConfig:
     each engine replica's first rank while its other ranks wait; 1: one after the other.
     Each python tool call holds a sandbox process (``memory_mb``, ``cpu_seconds``)."""
     turn_budget_seconds: Optional[float] = None
-    """Wall-clock budget of one turn's environment steps on a replica; past it the step
-    fails naming this flag. At most 80% of the collective timeout
+    """Wall-clock budget of one turn's environment steps on a replica; past it the
+    unfinished steps end their own episodes with an error naming this flag (reward
+    ``env.error_reward``), not the run. At most 80% of the collective timeout
     (``parallel.timeout_minutes``), under which the other ranks wait meanwhile; null (the
     default) is that 80%, so it follows the timeout."""
+    step_timeout_seconds: Optional[float] = 120.0
+    """Wall-clock limit of one environment step answering tool calls, from its start; past
+    it that episode ends with an error (metric ``episode_env_errors``) and the others go on.
+    null: only ``env.turn_budget_seconds`` bounds it. Final answers are bounded by the
+    reward's own timeout."""
+    error_reward: Optional[float] = 0.0
+    """Reward of an episode ended by an environment error (``step`` raised, timed out, or
+    the turn budget ran out); null drops the episode's group from training instead."""
 
 
 @dataclass

@@ -124,6 +124,13 @@ def _check_env(cfg: Config) -> None:
         raise ConfigError(f"env.max_turns={e.max_turns} must be in 1..999 and env.max_tokens={e.max_tokens} "
                           ">= 1 (--env.max_turns, --env.max_tokens)")
     check_env_budget(cfg)  # the turn's tool calls end before the collective times out
+    if cfg.rollout.stop:  # a turn cut at a stop string has no end-of-turn token before the reply
+        raise ConfigError(f"rollout.stop={cfg.rollout.stop} with env.name={e.name!r}: a turn ended by a stop "
+                          "string has no end-of-turn token, yet the environment's reply would follow it; "
+                          "episodes end turns at the chat template's end-of-turn token (--rollout.stop=[])")
+    if e.step_timeout_seconds is not None and not e.step_timeout_seconds > 0:
+        raise ConfigError(f"env.step_timeout_seconds={e.step_timeout_seconds} must be > 0 or null "
+                          "(--env.step_timeout_seconds)")
     if cfg.algorithm.advantage == "process":
         raise ConfigError("algorithm.advantage=process scores reasoning steps of one response; with "
                           "env.name the environment gives each episode one reward (--algorithm.advantage=outcome)")

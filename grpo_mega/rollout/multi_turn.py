@@ -24,27 +24,37 @@ numbers) are broadcast to the replica's other ranks, which then append the very 
 ids, so sandboxed tools run once and a tool's timing cannot make ranks disagree.
 Meanwhile the other ranks wait in a collective under its timeout, so one turn's
 environment steps run in threads, ``EpisodeLimits.env_workers`` at once, within a wall
-budget (``env_budget_seconds``) set below that timeout; past the budget the turn fails
-with :class:`EnvBudgetExceeded`, naming the flags, instead of the collective timing out
-(one after the other, 128 tool calls of 5 s each had outlasted a 10-minute timeout).
+budget (``env_budget_seconds``) set below that timeout (one after the other, 128 tool
+calls of 5 s each had outlasted a 10-minute timeout).
+
+Episodes are isolated from each other's environments: a ``step`` that raises, that runs
+past ``step_timeout_seconds``, or that is unfinished when the turn's budget is spent ends
+its own episode (finish ``"error"``, the error recorded in ``episode_info["error"]``, the
+episode's reward ``error_reward``), never the run. A hung step keeps its thread until it
+returns (Python cannot stop a thread); its result is then ignored.
 
 The token-exact invariant is checked for every episode (``codec.check``); problems are
-counted in ``episode_info["token_mismatch"]`` (a metric) and never silently trained on
-in tests, which assert zero.
+counted in ``episode_info["token_mismatch"]`` (a metric), and an episode that fails it is
+not trained: its whole group is dropped (every response token's mask set to 0, so the
+loss and its normalisers skip the group; ``episode_info["dropped"]``), because the other
+episodes' advantages are relative to it. So is the group of an episode that ended with an
+environment error when ``error_reward`` is None. Stop strings are refused
+(``sampling.stop``): a turn cut at one has no end-of-turn token, so the environment's
+reply would follow a turn the template never closes (see ``preflight.validate``).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 from grpo_mega.envs.types import Environment, Message
 from grpo_mega.rollout.types import RolloutBatch, SamplingConfig
 
-__all__ = ["EpisodeLimits", "EnvBudgetExceeded", "TurnCodec", "run_episodes", "TURN_SEED_STRIDE"]
+__all__ = ["EpisodeLimits", "TurnCodec", "run_episodes", "TURN_SEED_STRIDE"]
 
 log = logging.getLogger(__name__)
 
@@ -67,21 +77,27 @@ class EpisodeLimits:
     """Environment steps of one turn run at once, in threads (``env.tool_workers``)."""
     env_budget_seconds: Optional[float] = None
     """Wall-clock budget of one turn's environment steps (``env.turn_budget_seconds``);
-    None: unbounded."""
+    None: unbounded. Steps unfinished at the budget end their episodes with an error."""
+    step_timeout_seconds: Optional[float] = None
+    """Wall-clock limit of one tool-answering ``env.step`` (``env.step_timeout_seconds``),
+    counted from its start; past it the episode ends with an error. None: only the turn's
+    budget bounds it. Final answers are scored on the calling thread and bounded by the
+    reward's own timeout instead."""
+    error_reward: Optional[float] = 0.0
+    """The reward of an episode ended by an environment error (``env.error_reward``);
+    None drops the episode's group from training."""
 
     def __post_init__(self) -> None:
         if self.env_workers < 1:
             raise ValueError(f"env.tool_workers={self.env_workers} must be >= 1")
         if self.env_budget_seconds is not None and not self.env_budget_seconds > 0:
             raise ValueError(f"env.turn_budget_seconds={self.env_budget_seconds} must be > 0")
+        if self.step_timeout_seconds is not None and not self.step_timeout_seconds > 0:
+            raise ValueError(f"env.step_timeout_seconds={self.step_timeout_seconds} must be > 0")
         if not 1 <= self.max_turns < TURN_SEED_STRIDE:
             raise ValueError(f"env max_turns={self.max_turns} must be in [1, {TURN_SEED_STRIDE})")
         if self.max_tokens < 1:
             raise ValueError(f"env max_tokens={self.max_tokens} must be >= 1")
-
-
-class EnvBudgetExceeded(RuntimeError):
-    """A turn's environment steps outlasted ``env.turn_budget_seconds``."""
 
 
 class TurnCodec(Protocol):
@@ -133,6 +149,7 @@ class _Episode:
     cut: list[bool] = field(default_factory=list)  # per model segment: cut by a length limit
     finish: Optional[str] = None  # None while running
     text: str = ""                # the last assistant message's content
+    error: Optional[str] = None   # the environment error that ended the episode
 
     def add(self, kind: str, ids: list[int], logprobs: Optional[list[float]] = None) -> None:
         self.ids += ids
@@ -163,6 +180,10 @@ def run_episodes(generate: Callable[..., RolloutBatch], codec: TurnCodec, make_e
         together (vLLM's data-parallel external launcher); None when each replica is free.
         A replica with nothing left then samples ``dummy_ids`` for one token, discarded.
     """
+    if sampling.stop:
+        raise ValueError(f"stop strings {list(sampling.stop)} with an environment: a turn cut at one has no "
+                         "end-of-turn token, yet the environment's reply would follow it; episodes end turns "
+                         "at the template's end-of-turn token already (--rollout.stop=[])")
     g = sampling.n
     one = dataclasses.replace(sampling, n=1, stop_token_ids=tuple(sorted({*sampling.stop_token_ids,
                                                                            codec.eot_id})))
@@ -201,7 +222,7 @@ def run_episodes(generate: Callable[..., RolloutBatch], codec: TurnCodec, make_e
     finally:
         for env in envs.values():
             env.close()
-    return _to_batch(codec, episodes, g, seconds, logprobs_mode)
+    return _to_batch(codec, episodes, g, seconds, logprobs_mode, limits.error_reward)
 
 
 def _sample_turn(generate, codec: TurnCodec, one: SamplingConfig, limits: EpisodeLimits,
@@ -254,7 +275,9 @@ def _apply_turn(codec: TurnCodec, active: list[_Episode], samples: dict, limits:
     for e, r in zip(answered, share(step_all)):
         e.reward += r["reward"]
         e.tool_errors += r["tool_errors"]
-        if r["done"]:
+        if r["error"] is not None:
+            e.finish, e.error = "error", r["error"]
+        elif r["done"]:
             e.finish = "stop"
         elif turn + 1 >= limits.max_turns:
             e.finish = "turns"
@@ -268,65 +291,108 @@ def _apply_turn(codec: TurnCodec, active: list[_Episode], samples: dict, limits:
 
 
 def step_envs(work: list[tuple[Environment, Message]], limits: EpisodeLimits, turn: int) -> list[dict]:
-    """``env.step(message)`` for each pair, as plain results in order. Steps answering tool
-    calls run in threads, ``limits.env_workers`` at once (each episode has its own
-    environment, and the sandbox is thread-safe); the others (a final answer, scored by the
-    rewards) run on the calling thread meanwhile, because a reward's timeout may need the
-    main thread (math-verify's ``signal.alarm``). Raises :class:`EnvBudgetExceeded` once
-    ``limits.env_budget_seconds`` have passed with steps unfinished (those in threads
-    finish in the background, within their tools' own limits)."""
+    """``env.step(message)`` for each pair, as plain results in order (``error`` None, or
+    why the step failed: it raised, outlasted ``limits.step_timeout_seconds``, or was
+    unfinished when ``limits.env_budget_seconds`` ran out). Steps answering tool calls run
+    in threads, ``limits.env_workers`` at once (each episode has its own environment, and
+    the sandbox is thread-safe); the others (a final answer, scored by the rewards) run on
+    the calling thread meanwhile, because a reward's timeout may need the main thread
+    (math-verify's ``signal.alarm``). Never raises for what an environment does: one
+    episode's failure is that episode's (those still running in threads finish in the
+    background, their results ignored)."""
+    started: dict[int, float] = {}
 
-    def one(env: Environment, message: Message) -> dict:
-        r = env.step(message)
-        return {"messages": list(r.messages), "reward": float(r.reward), "done": bool(r.done),
-                "tool_errors": int((r.info or {}).get("tool_errors", 0))}
+    def one(i: int) -> dict:
+        started[i] = time.monotonic()
+        env, message = work[i]
+        try:
+            r = env.step(message)
+            return {"messages": list(r.messages), "reward": float(r.reward), "done": bool(r.done),
+                    "tool_errors": int((r.info or {}).get("tool_errors", 0)), "error": None}
+        except Exception as err:  # noqa: BLE001 - one environment's failure ends its episode only
+            return _failed(f"env.step raised {type(err).__name__}: {err}")
 
-    budget = limits.env_budget_seconds
+    budget, timeout = limits.env_budget_seconds, limits.step_timeout_seconds
     deadline = None if budget is None else time.monotonic() + budget
     calls = [i for i, (_, message) in enumerate(work) if message.get("tool_calls")]
-    results: dict[int, Any] = {}
+    results: dict[int, dict] = {}
     pool = ThreadPoolExecutor(max_workers=max(1, min(limits.env_workers, len(calls))), thread_name_prefix="env-step")
     try:
-        futures = {i: pool.submit(one, *work[i]) for i in calls}
-        for i, pair in enumerate(work):
+        futures = {i: pool.submit(one, i) for i in calls}
+        for i in range(len(work)):
             if i not in futures:
-                results[i] = one(*pair)
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        _, pending = wait(futures.values(), timeout=left)
+                results[i] = one(i)
+        pending = dict(futures)
+        while pending:
+            now = time.monotonic()
+            ends = [deadline] if deadline is not None else []
+            if timeout is not None:  # a step not started yet is looked at again shortly
+                ends += [started[i] + timeout if i in started else now + _POLL_S for i in pending]
+            left = None if not ends else max(0.0, min(ends) - now) + 1e-3
+            done, _ = wait(pending.values(), timeout=left, return_when=FIRST_COMPLETED)
+            now = time.monotonic()
+            for i, f in list(pending.items()):
+                if f in done:
+                    results[i] = f.result()
+                elif timeout is not None and i in started and now >= started[i] + timeout:
+                    results[i] = _failed(f"env.step outlasted env.step_timeout_seconds={timeout:g}")
+                elif deadline is not None and now >= deadline:
+                    results[i] = _failed(
+                        f"env.step unfinished when the environment steps of turn {turn} outlasted "
+                        f"env.turn_budget_seconds={budget:g} ({limits.env_workers} at once): raise "
+                        "--env.tool_workers, lower the tools' own limits or raise --env.turn_budget_seconds")
+                else:
+                    continue
+                del pending[i]
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    if pending:
-        raise EnvBudgetExceeded(
-            f"the environment steps of turn {turn} outlasted env.turn_budget_seconds="
-            f"{budget:g}: {len(pending)} of {len(work)} episodes unfinished, "
-            f"{limits.env_workers} at once. Raise --env.tool_workers to run more at once, lower the tools' "
-            "own time limits (the python tool's sandbox.wall_seconds), or raise --env.turn_budget_seconds "
-            "(it must stay below the collective timeout, --parallel.timeout_minutes)")
-    results.update({i: f.result() for i, f in futures.items()})
+    for i, r in results.items():
+        if r["error"] is not None:
+            log.warning("multi-turn environment error (turn %d, step %d of %d): %s", turn, i, len(work), r["error"])
     return [results[i] for i in range(len(work))]
 
 
+_POLL_S = 0.05
+"""How often a step's own timeout is looked at while steps queued behind the workers start."""
+
+
+def _failed(error: str) -> dict:
+    return {"messages": [], "reward": 0.0, "done": True, "tool_errors": 0, "error": error}
+
+
 def _to_batch(codec: TurnCodec, episodes: list[_Episode], g: int, seconds: float,
-              logprobs_mode: str) -> RolloutBatch:
+              logprobs_mode: str, error_reward: Optional[float] = 0.0) -> RolloutBatch:
+    """The episodes as one batch; a group with an episode that is not token-exact (or that
+    an environment error ended, when ``error_reward`` is None) is kept in the batch for its
+    shape and metrics but dropped from training: every mask entry 0."""
     batch = RolloutBatch(prompt_ids=[], response_ids=[], logprobs=[], finish_reasons=[], prompt_index=[],
                          group_size=g, logprobs_mode=logprobs_mode, seconds=seconds)
-    for e in episodes:
-        problems = codec.check(e.prompt_ids, e.segments, e.messages, e.tools, e.ids, e.mask, e.cut)
-        if problems:  # counted in the metrics; the first one of each episode is logged, whole
-            log.warning("multi-turn episode %d (prompt %d) is not token-exact: %s", e.key, e.prompt_index,
-                        problems[0])
+    problems = [codec.check(e.prompt_ids, e.segments, e.messages, e.tools, e.ids, e.mask, e.cut)
+                for e in episodes]
+    for e, p in zip(episodes, problems):
+        if p:  # counted in the metrics; the first one of each episode is logged, whole
+            log.warning("multi-turn episode %d (prompt %d) is not token-exact, its group is dropped: %s",
+                        e.key, e.prompt_index, p[0])
+        if e.error is not None and error_reward is not None:
+            e.reward = float(error_reward)
+    dropped = {k // g for k, (e, p) in enumerate(zip(episodes, problems))
+               if p or (e.error is not None and error_reward is None)}
+    for k, (e, p) in enumerate(zip(episodes, problems)):
+        drop = k // g in dropped
         batch.prompt_ids.append(e.prompt_ids)
         batch.response_ids.append(e.ids)
         batch.logprobs.append(e.logprobs)
-        batch.response_mask.append(e.mask)
+        batch.response_mask.append([0] * len(e.mask) if drop else e.mask)
         batch.finish_reasons.append(e.finish or "turns")
         batch.stop_reasons.append(None)
         batch.prompt_index.append(e.prompt_index)
         batch.texts.append(e.text)
-        batch.episode_rewards.append(e.reward)
+        batch.episode_rewards.append(0.0 if e.error is not None and error_reward is None else e.reward)
         batch.episode_info.append({"turns": e.turns, "tool_calls": e.tool_calls, "tool_errors": e.tool_errors,
                                    "env_tokens": len(e.mask) - sum(e.mask),
-                                   "token_mismatch": len(problems), "problems": problems[:3]})
+                                   "token_mismatch": len(p), "problems": p[:3],
+                                   "env_error": int(e.error is not None), "error": e.error,
+                                   "dropped": int(drop)})
     return batch
 
 

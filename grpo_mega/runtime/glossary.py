@@ -28,6 +28,12 @@ METRICS: dict[str, tuple[str, str]] = {
     "token_mismatch": ("count", "token-exact problems per episode: the trajectory's ids differ from the chat "
                                 "template's rendering (0 by construction; anything else is a bug)"),
     "episode_env_tokens": ("tokens", "tokens per episode appended from the environment (never trained on)"),
+    "episode_env_errors": ("fraction", "share of episodes ended by their environment's error (step raised, "
+                                       "outlasted env.step_timeout_seconds or the turn budget); reward "
+                                       "env.error_reward, the run goes on"),
+    "episodes_dropped": ("fraction", "share of episodes not trained on: their group held an episode that is "
+                                     "not token-exact (or an environment error under env.error_reward=null); "
+                                     "every token's loss mask 0"),
     # DAPO dynamic sampling (algorithm.dynamic_sampling)
     "dapo_rounds": ("count", "sampling rounds this step took"),
     "groups_used": ("count", "groups with a reward spread trained on"),

@@ -41,7 +41,8 @@ def build_episodes(cfg, tokenizer) -> Optional[EpisodeSetup]:
     make_env(cfg.env.name, cfg.env.kwargs).close()  # a bad name or kwarg fails at start-up, on every rank
     limits = EpisodeLimits(max_turns=cfg.env.max_turns, max_tokens=cfg.env.max_tokens,
                            max_model_len=cfg.rollout.max_model_len, env_workers=cfg.env.tool_workers,
-                           env_budget_seconds=turn_budget_seconds(cfg))
+                           env_budget_seconds=turn_budget_seconds(cfg),
+                           step_timeout_seconds=cfg.env.step_timeout_seconds, error_reward=cfg.env.error_reward)
     return EpisodeSetup(codec, lambda: make_env(cfg.env.name, cfg.env.kwargs), limits)
 
 
@@ -74,12 +75,12 @@ def episode_stats(batch) -> list[float]:
     """Sums over this replica's episodes, in the order of ``EPISODE_KEYS`` (the reward
     stage adds them over DP and divides by the number of samples)."""
     info = batch.episode_info
-    return [float(sum(i["turns"] for i in info)), float(sum(i["tool_calls"] for i in info)),
-            float(sum(i["tool_errors"] for i in info)), float(sum(i["token_mismatch"] for i in info)),
-            float(sum(i["env_tokens"] for i in info))]
+    return [float(sum(i.get(k, 0) for i in info)) for k in _INFO_KEYS]
 
 
 EPISODE_KEYS = ("episode_turns", "episode_tool_calls", "episode_tool_errors", "token_mismatch",
-                "episode_env_tokens")
+                "episode_env_tokens", "episode_env_errors", "episodes_dropped")
 """Metric names of ``episode_stats``: per-episode means (``token_mismatch`` is the number
-of token-exact problems found per episode: 0 by construction; anything else is a bug)."""
+of token-exact problems found per episode: 0 by construction; anything else is a bug, and
+the episode's group is dropped from training, counted in ``episodes_dropped``)."""
+_INFO_KEYS = ("turns", "tool_calls", "tool_errors", "token_mismatch", "env_tokens", "env_error", "dropped")
