@@ -46,7 +46,8 @@ def main() -> None:
     from grpo_mega.distributed.state import init_parallel
     from grpo_mega.models import build_model
     from grpo_mega.optim.adamw import ParallelAdamW
-    from grpo_mega.trainer.batch import TrainingBatch, compute_logprobs, update_policy
+    from grpo_mega.trainer.batch import TrainingBatch
+    from grpo_mega.trainer.passes import compute_logprobs, update_policy
 
     ps = init_parallel(1, 1, seed=0)
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,

@@ -64,7 +64,8 @@ def part1(steps: int) -> None:
 def part2(iters: int) -> None:
     import torch
     from grpo_mega.config import load_config
-    from grpo_mega.trainer.batch import TrainingBatch, update_policy
+    from grpo_mega.trainer.batch import TrainingBatch
+    from grpo_mega.trainer.passes import update_policy
     from grpo_mega.models import build_model
     from grpo_mega.optim.adamw import ParallelAdamW
     from grpo_mega.distributed.state import init_parallel

@@ -221,7 +221,7 @@ def _random_batch(vocab_size: int, rows: int, seq: int, device):
 
 
 def _logprob_loss(ps, vocab_size: int, fused: bool):
-    from grpo_mega.trainer.batch import _logprobs_entropy
+    from grpo_mega.trainer.passes import _logprobs_entropy
 
     def loss_fn(logits, mb):
         # run_microbatches without logits_at: the full [b, s, V/tp] shard (every position)
@@ -290,7 +290,7 @@ def bench_train(args, ps, timer, rows):
 
 
 def bench_ref(args, ps, timer, rows):
-    from grpo_mega.trainer.batch import compute_logprobs
+    from grpo_mega.trainer.passes import compute_logprobs
     from grpo_mega.algorithms.vocab_parallel_triton import use_fused
     from grpo_mega.models import build_model
 

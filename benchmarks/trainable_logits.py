@@ -71,7 +71,8 @@ def _work(variant: str, tokens: int, args, queue) -> None:
     from grpo_mega.distributed.state import init_parallel
     from grpo_mega.models import build_model
     from grpo_mega.optim.adamw import ParallelAdamW
-    from grpo_mega.trainer.batch import TrainingBatch, update_policy
+    from grpo_mega.trainer.batch import TrainingBatch
+    from grpo_mega.trainer.passes import update_policy
 
     ps = init_parallel(1, 1, seed=0)
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=1, num_attention_heads=2,

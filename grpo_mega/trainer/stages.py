@@ -37,8 +37,8 @@ from grpo_mega.distributed.errors import run_on_src
 from grpo_mega.runtime.faults import fault_point
 from grpo_mega.models.precision import seq_multiple
 from grpo_mega.trainer.dynamic_sampling import KeptGroups
-from grpo_mega.trainer.batch import (TrainingBatch, compute_logprobs, metrics_to_floats,
-                                     update_policy)
+from grpo_mega.trainer.batch import TrainingBatch
+from grpo_mega.trainer.passes import compute_logprobs, metrics_to_floats, update_policy
 
 if TYPE_CHECKING:
     from grpo_mega.data import Prompt

@@ -140,7 +140,8 @@ def _replay(rank, world, hf_dir, ref_dir, batch_path, q3_dir, q3_ref_dir):
     from grpo_mega.models.hf_config import model_config_from_hf
     from grpo_mega.models.layout import canonical_state_dict, gather, to_global_name
     from grpo_mega.optim.adamw import ParallelAdamW
-    from grpo_mega.trainer.batch import TrainingBatch, compute_logprobs, metrics_to_floats, update_policy
+    from grpo_mega.trainer.batch import TrainingBatch
+    from grpo_mega.trainer.passes import compute_logprobs, metrics_to_floats, update_policy
     from megatron.core import parallel_state as mpu
 
     class Recording(ParallelAdamW):

@@ -138,7 +138,7 @@ def _reference_after_first_step(t, plan, log: list) -> None:
     over mini-batch 2's response tokens in fp64 itself. The router hooks' entries of this
     extra pass are dropped, so the observed update passes stay the update's own."""
     from grpo_mega.models import routing as R
-    from grpo_mega.trainer.batch import compute_logprobs
+    from grpo_mega.trainer.passes import compute_logprobs
 
     opt, step, calls = t.optimizer, t.optimizer.step, []
 

@@ -155,7 +155,7 @@ def _micro(seed: int = 0):
 
 
 def _micro_loss(mb, logits, algo, reuse: bool):
-    from grpo_mega.trainer.batch import micro_loss
+    from grpo_mega.trainer.passes import micro_loss
 
     x = logits.clone().requires_grad_()
     n = int(mb.loss_mask.sum())

@@ -115,7 +115,8 @@ def _update_rank(rank, world):
     metrics and the reduced gradients must agree."""
     import copy
     from grpo_mega.config import AlgorithmConfig, ModelConfig, OptimizerConfig
-    from grpo_mega.trainer.batch import TrainingBatch, compute_logprobs, metrics_to_floats, update_policy
+    from grpo_mega.trainer.batch import TrainingBatch
+    from grpo_mega.trainer.passes import compute_logprobs, metrics_to_floats, update_policy
     from grpo_mega.models import build_model
     from grpo_mega.optim.adamw import ParallelAdamW
     from grpo_mega.distributed.state import init_parallel

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_mega.trainer.batch import TrainingBatch, metrics_to_floats
+from grpo_mega.trainer.batch import TrainingBatch
+from grpo_mega.trainer.passes import metrics_to_floats
 from tests.compare import max_abs_diff, worst
 from tests.distributed import run_ranks
 
@@ -83,7 +84,7 @@ def _pp2_rank(rank, world):
     each row computed alone (a one-row batch, no padding)."""
     from grpo_mega.models import build_model
     from grpo_mega.distributed.state import init_parallel
-    from grpo_mega.trainer.batch import compute_logprobs
+    from grpo_mega.trainer.passes import compute_logprobs
 
     ps = init_parallel(1, 2, seed=3)
     model = build_model(_model_cfg(), ps)
@@ -132,7 +133,7 @@ def _update_rank(rank, world):
     from grpo_mega.distributed.state import init_parallel
     from grpo_mega.models import build_model
     from grpo_mega.optim.adamw import ParallelAdamW
-    from grpo_mega.trainer.batch import update_policy
+    from grpo_mega.trainer.passes import update_policy
 
     class Recording(ParallelAdamW):
         def step(self, reduce=True):

@@ -50,7 +50,7 @@ def _full_kl_rank(rank, world):
     from grpo_mega.distributed.state import init_parallel
     from grpo_mega.models import build_model
     from grpo_mega.optim.adamw import ParallelAdamW
-    from grpo_mega.trainer.batch import metrics_to_floats, update_policy
+    from grpo_mega.trainer.passes import metrics_to_floats, update_policy
     from tests.unit.algorithms.reference import ref_loss
 
     class Recording(ParallelAdamW):

@@ -28,7 +28,7 @@ def _update_rank(rank, world, policy_dir, ref_dir, pp):
     from grpo_mega.checkpoint.hf_files import read_hf_config
     from grpo_mega.models.hf_config import model_config_from_hf
     from grpo_mega.optim.adamw import ParallelAdamW
-    from grpo_mega.trainer.batch import metrics_to_floats, update_policy
+    from grpo_mega.trainer.passes import metrics_to_floats, update_policy
 
     class Recording(ParallelAdamW):
         def step(self, reduce=True):

@@ -64,7 +64,7 @@ def _previous_path(logits, ref_logits, mb, ps, algo, temperature, counts):
 def _checks(group) -> dict:
     from grpo_mega import algorithms as A
     from grpo_mega.config import AlgorithmConfig
-    from grpo_mega.trainer.batch import micro_loss
+    from grpo_mega.trainer.passes import micro_loss
 
     ps = _ps(group)
     b = _batch()

@@ -22,7 +22,8 @@ REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
 
 def _seq_logp(model, ps, prompts, responses, temperature):
     """Per-response summed log-prob [N] under ``model`` (through the loop's forward)."""
-    from grpo_mega.trainer.batch import TrainingBatch, compute_logprobs
+    from grpo_mega.trainer.batch import TrainingBatch
+    from grpo_mega.trainer.passes import compute_logprobs
 
     b = TrainingBatch.pack(prompts, responses, [[0.0] * len(r) for r in responses],
                            [0.0] * len(responses), pad_id=0, device=ps.device)
@@ -37,7 +38,8 @@ def _learns_rank(rank, world, tp):
     from grpo_mega.distributed.state import init_parallel
     from grpo_mega.models import build_model
     from grpo_mega.optim.adamw import ParallelAdamW
-    from grpo_mega.trainer.batch import TrainingBatch, update_policy
+    from grpo_mega.trainer.batch import TrainingBatch
+    from grpo_mega.trainer.passes import update_policy
 
     ps = init_parallel(tp, 1, seed=5)
     cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_attention_heads=4,

@@ -25,7 +25,7 @@ def _stages_rank(rank, world):
     from grpo_mega.models import build_model
     from grpo_mega.optim.adamw import ParallelAdamW
     from grpo_mega.trainer import stages
-    from grpo_mega.trainer.batch import compute_logprobs
+    from grpo_mega.trainer.passes import compute_logprobs
     from grpo_mega.trainer.trainer import Trainer
 
     ps = init_parallel(1, 1, seed=5)

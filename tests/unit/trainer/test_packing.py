@@ -38,7 +38,7 @@ def _algos():
 def _run(ps, model, ref, *, packing: bool, micro: int, rows: slice) -> dict:
     """Reference and old-policy log-probs, then one update per algorithm, of the episodes'
     ``rows`` (this DP rank's share) in micro-batches of ``micro`` rows."""
-    from grpo_mega.trainer.batch import compute_logprobs, metrics_to_floats, update_policy
+    from grpo_mega.trainer.passes import compute_logprobs, metrics_to_floats, update_policy
 
     kw = dict(vocab_size=VOCAB, temperature=TEMP, chunk_size=CHUNK)
     b = dataclasses.replace(_episodes().slice(rows.start, rows.stop), packing=packing)

@@ -71,7 +71,7 @@ SIGNS = [[-1, -1, 1], [1, 1], [-1, 1, 1, 1], [1, 1, -1], [1, -1], [-1, 1, 1], [1
 
 
 def _token_logp(model, ps, prompts, responses):
-    from grpo_mega.trainer.batch import compute_logprobs
+    from grpo_mega.trainer.passes import compute_logprobs
 
     b = TrainingBatch.pack(prompts, responses, [[0.0] * len(r) for r in responses],
                            [0.0] * len(responses), pad_id=0, device=ps.device)
@@ -86,7 +86,7 @@ def _process_update_rank(rank, world):
     from grpo_mega.models import build_model
     from grpo_mega.optim.adamw import ParallelAdamW
     from grpo_mega.rewards import StepScores
-    from grpo_mega.trainer.batch import update_policy
+    from grpo_mega.trainer.passes import update_policy
 
     ps = init_parallel(1, 1, seed=5)
     cfg = ModelConfig(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_attention_heads=4,

@@ -85,7 +85,7 @@ def _paths(ps) -> dict:
     """Old-policy log-probs and one ``kl_kind: full`` update, at every position and at the
     trainable ones only; rows counted at the output layers of the policy and the reference."""
     from grpo_mega.config import AlgorithmConfig
-    from grpo_mega.trainer.batch import compute_logprobs, metrics_to_floats, update_policy
+    from grpo_mega.trainer.passes import compute_logprobs, metrics_to_floats, update_policy
 
     model, ref = policy_and_reference(ps)
     algo = AlgorithmConfig(kl_coef=0.5, kl_kind="full", clip_low=0.2, clip_high=0.28)
