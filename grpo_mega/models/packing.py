@@ -14,7 +14,9 @@ What keeps it the same model as the padded path:
 
 * attention never crosses a boundary: Transformer Engine's THD attention reads ``cu_seqlens``
   on GPU; the local spec (CPU, or no TE) gets ``PackedDotProductAttention``, which runs
-  megatron's own local attention once per segment with the usual causal mask. Chosen over a
+  megatron's own local attention once per segment with the usual causal mask (the
+  boundaries as host ints and one mask of the longest segment are made once per micro-batch
+  in ``pack_rows``, so no layer reads ``cu_seqlens`` back from the device). Chosen over a
   document-masked SDPA / flex attention over the whole pack because it is the *same* math as
   the padded local path (same scaling, fp32 softmax, mask fill), so fp64 results agree to
   rounding, and it costs ``sum(len_i^2)`` instead of ``T^2`` (a per-segment loop, b Python
@@ -36,6 +38,7 @@ under CP would need each segment padded to ``2 * cp`` (``cu_seqlens_q_padded``).
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -74,11 +77,30 @@ def _segments(seq_lens: Sequence[int], multiple: int) -> tuple[list[int], int]:
     return [*seq_lens, pad] if pad else list(seq_lens), pad
 
 
+@functools.lru_cache(maxsize=None)
+def _packed_params_class():
+    """megatron's ``PackedSeqParams`` plus what the local packed attention needs, made once
+    per micro-batch instead of once per layer: the boundaries as a host tuple (reading
+    ``cu_seqlens`` back from the GPU in every layer was a device sync per layer) and one causal
+    mask of the longest segment (every segment's mask is its top-left corner). TE's attention
+    reads only the parent's fields."""
+    from dataclasses import dataclass as _dataclass
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    @_dataclass
+    class PackedParams(PackedSeqParams):
+        host_cu_seqlens: tuple = ()   # cu_seqlens_q as Python ints
+        causal: Tensor = None         # [1, 1, max_seqlen, max_seqlen] bool, True = masked
+
+    return PackedParams
+
+
 def pack_rows(tokens: Tensor, seq_lens: Sequence[int], multiple: int = 1) -> PackedRows:
     """``tokens: [b, s]`` right-padded rows with host lengths ``seq_lens`` (each >= 1) -> the
     packed layout, padded at the tail to a multiple of ``multiple``. Index arithmetic runs on
     the host lists, so nothing syncs with the device."""
-    from megatron.core.packed_seq_params import PackedSeqParams
+    from grpo_mega.distributed.schedule import causal_mask
 
     b, s = tokens.shape
     if len(seq_lens) != b or any(n < 1 or n > s for n in seq_lens):
@@ -94,10 +116,12 @@ def pack_rows(tokens: Tensor, seq_lens: Sequence[int], multiple: int = 1) -> Pac
     flat = tokens[rows, cols]
     packed = torch.cat([flat, flat.new_zeros(pad)]).unsqueeze(0)
     pos = torch.cat([cols, torch.arange(pad, device=dev)]).unsqueeze(0)
-    cu = torch.tensor([0, *torch.cumsum(torch.tensor(segs), 0).tolist()], dtype=torch.int32, device=dev)
+    bounds = (0, *itertools.accumulate(segs))
+    cu = torch.tensor(bounds, dtype=torch.int32, device=dev)
     longest = max(segs)  # the longest segment, never T itself: see the module docstring
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    params = _packed_params_class()(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                    max_seqlen_q=longest, max_seqlen_kv=longest,
+                                    host_cu_seqlens=bounds, causal=causal_mask(longest, dev))
     return PackedRows(tokens=packed, position_ids=pos, starts=starts.to(dev), rows=rows, cols=cols,
                       params=params, pad=pad)
 
@@ -131,11 +155,15 @@ def packed_core_attention():
                                        attention_bias=attention_bias, **kwargs)
             # THD: query [t, np, hn], key/value [t, ng, hn]; the output [t, 1, np * hn] is what
             # megatron's Attention reshapes the THD result to anyway.
-            cu = packed_seq_params.cu_seqlens_q.tolist()  # one host read per layer (the CPU path)
+            # Boundaries and mask were made once per micro-batch (pack_rows), not per layer.
+            cu = getattr(packed_seq_params, "host_cu_seqlens", None) or packed_seq_params.cu_seqlens_q.tolist()
+            full = getattr(packed_seq_params, "causal", None)
+            if full is None:
+                full = causal_mask(packed_seq_params.max_seqlen_q, query.device)
             outs = []
             for a, b in zip(cu[:-1], cu[1:]):
                 q, k, v = (x[a:b].unsqueeze(1) for x in (query, key, value))
-                outs.append(super().forward(q, k, v, causal_mask(b - a, query.device),
+                outs.append(super().forward(q, k, v, full[..., :b - a, :b - a],
                                             attn_mask_type=attn_mask_type, attention_bias=attention_bias,
                                             **kwargs))
             return torch.cat(outs, dim=0)

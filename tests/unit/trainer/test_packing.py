@@ -170,7 +170,8 @@ def test_pack_rows_restarts_positions_and_bounds_every_segment():
     """Guards the packed layout itself: tokens out of order or with padding between rows, RoPE
     position ids not restarting, a tail not counted as its own segment (the tail's padding
     then attends into the last row and vice versa), and ``max_seqlen`` set to the pack's length
-    (megatron then rotates each row by its offset in the pack instead of from 0)."""
+    (megatron then rotates each row by its offset in the pack instead of from 0), and the
+    per-micro-batch boundaries / causal mask the local attention reads disagreeing with them."""
     from grpo_mega.models.packing import pack_rows, trainable_rows_packed
     from tests.unit.trainer.test_batch import _batch
 
@@ -187,6 +188,10 @@ def test_pack_rows_restarts_positions_and_bounds_every_segment():
     assert p.params.cu_seqlens_q.tolist() == p.params.cu_seqlens_kv.tolist() == cu + [32]
     assert p.params.cu_seqlens_q.dtype == torch.int32 and p.params.qkv_format == "thd"
     assert p.params.max_seqlen_q == p.params.max_seqlen_kv == max(len(r) for r in rows)
+    # made once per micro-batch for every layer's attention: host boundaries, one causal mask
+    assert p.params.host_cu_seqlens == tuple(cu + [32])
+    n = p.params.max_seqlen_q
+    assert torch.equal(p.params.causal[0, 0], torch.ones(n, n, dtype=torch.bool).triu(1))
     assert torch.equal(b.tokens[p.rows, p.cols], p.tokens[0, :len(flat)])
     # the trainable positions, packed, hold the same tokens' logits as the padded grid's
     k = trainable_rows_packed(b.loss_mask, p.starts)
