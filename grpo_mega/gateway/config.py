@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["GatewayConfig", "REWRITE_POLICIES"]
+__all__ = ["GatewayConfig", "REWRITE_POLICIES", "SAMPLING_POLICIES"]
 
 REWRITE_POLICIES = ("reject", "restart")
+SAMPLING_POLICIES = ("refuse", "override")
 _SECONDS = ("read_timeout_s", "idle_timeout_s")
 _POSITIVE = ("max_body_bytes", *_SECONDS, "max_connections", "max_header_bytes", "max_total_body_bytes",
              "max_json_depth", "max_open_episodes")
@@ -44,11 +45,19 @@ class GatewayConfig:
     new messages (the earlier model tokens leave the sample; ``episode_info["restarts"]`` and
     ``["dropped_model_tokens"]`` count them). Token-exactness holds either way: nothing is
     re-tokenized from text and trained on."""
-    use_request_sampling: bool = True
-    """True: a request's ``temperature``, ``top_p``, ``top_k`` and ``seed`` are used (absent
-    ones come from the gateway's sampling). False: the gateway's sampling always wins (a
-    trainer whose loss assumes one temperature); requests that asked for something else are
-    counted in ``episode_info["sampling_overridden"]``."""
+    sampling_policy: str = "refuse"
+    """The trainer owns sampling: every call samples at the gateway's ``SamplingConfig``
+    (the trainer's ``rollout.temperature``, ``top_p``, ``top_k``; seeds drawn per episode
+    from its ``seed``, so the episodes of a GRPO group differ). A request that asks for
+    another ``temperature``, ``top_p``, ``top_k`` or any ``seed``: ``"refuse"`` answers 400
+    naming the field and the configured value; ``"override"`` serves it at the gateway's
+    sampling and counts it in ``episode_info["sampling_overridden"]``. Either way no group
+    mixes distributions, and the recorded log-probs are those the loss assumes."""
+    max_episode_tokens: Optional[int] = None
+    """An episode's token budget: tokens after its first prompt (the model's replies and
+    the agent's additions), at most. A call's ``max_tokens`` is clipped to what is left (and
+    to the sampling's ``max_new_tokens`` per reply); a call with nothing left is a 400
+    (``episode_budget_exhausted``). None: only the context length bounds it."""
     batch_wait_s: float = 0.005
     """How long the engine thread waits for more calls to join a generate batch (agents
     running side by side share one engine call)."""
@@ -91,6 +100,10 @@ class GatewayConfig:
     ``Gateway.open_episode``); calls to unknown ids get 404."""
 
     def __post_init__(self) -> None:
+        if self.sampling_policy not in SAMPLING_POLICIES:
+            raise ValueError(f"gateway sampling_policy={self.sampling_policy!r}; choose one of {SAMPLING_POLICIES}")
+        if self.max_episode_tokens is not None and self.max_episode_tokens < 1:
+            raise ValueError(f"gateway max_episode_tokens={self.max_episode_tokens} must be >= 1 (or None)")
         if self.on_rewrite not in REWRITE_POLICIES:
             raise ValueError(f"gateway on_rewrite={self.on_rewrite!r}; choose one of {REWRITE_POLICIES}")
         if not 0 <= self.port < 65536:

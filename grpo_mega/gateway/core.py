@@ -37,11 +37,19 @@ log = logging.getLogger(__name__)
 EPISODE_ID = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 """Episode ids (they sit in URLs)."""
 _KEY_STRIDE = 1 << 20
-"""Call k of the episode opened n-th draws its seed with key ``n * _KEY_STRIDE + k``."""
+"""Call k of the episode with seed key n (``open_episode(key=)``, else the order it was
+opened in) draws its seed with key ``n * _KEY_STRIDE + k``."""
+_SAMPLED = ("temperature", "top_p", "top_k")
+"""The fields that set the sampling distribution the recorded log-probs describe."""
 _ALNUM = string.ascii_letters + string.digits
 _REMEMBER = 100_000
 """Collected episode ids remembered, so that a late call to one is refused rather than
 opening a new episode nobody will collect."""
+
+
+def _canonical(field: str, value: Any) -> Any:
+    """A sampling field's value in one form (top-k: 0 and -1 both disable it)."""
+    return max(int(value), 0) if field == "top_k" else float(value)
 
 
 def _call_id() -> str:
@@ -67,9 +75,7 @@ class Gateway:
     def __init__(self, generate: Callable[..., RolloutBatch], codec: TurnCodec,
                  sampling: Optional[SamplingConfig] = None, config: Optional[GatewayConfig] = None):
         self.codec = codec
-        base = sampling or SamplingConfig()
-        self.sampling = dataclasses.replace(base, n=1, stop_token_ids=tuple(sorted({*base.stop_token_ids,
-                                                                                    codec.eot_id})))
+        self.set_sampling(sampling or SamplingConfig())
         self.config = config or GatewayConfig()
         self.batcher = Batcher(generate, max_batch=self.config.max_batch, wait_s=self.config.batch_wait_s)
         self.step = 0
@@ -80,12 +86,21 @@ class Gateway:
         self._serial = 0
         self._lock = threading.Condition()
 
+    def set_sampling(self, sampling: SamplingConfig) -> None:
+        """The sampling of the calls from now on (the trainer's, set per round: training at
+        ``rollout.temperature``, greedy evaluation). The chat format's end-of-turn token is
+        added to its ``stop_token_ids``, so that a reply ends where its turn ends."""
+        self.sampling = dataclasses.replace(sampling, n=1, stop_token_ids=tuple(sorted(
+            {*sampling.stop_token_ids, self.codec.eot_id})))
+
     # -- episodes ------------------------------------------------------------
     def open_episode(self, episode_id: Optional[str] = None, *, prompt_index: Optional[int] = None,
-                     metadata: Optional[dict] = None) -> str:
+                     metadata: Optional[dict] = None, key: Optional[int] = None) -> str:
         """Open an episode (a fresh id unless one is given); returns its id. ``prompt_index``:
         the prompt it plays (``collect`` groups by it); ``metadata``: JSON-able, kept in
-        ``episode_info``."""
+        ``episode_info``; ``key``: its seed key (distinct per episode of a round; default:
+        the order episodes were opened in), so that with the same ``step`` and seed a round
+        draws the same samples however its agents' calls interleave."""
         if episode_id is None:
             episode_id = uuid.uuid4().hex
         if not isinstance(episode_id, str) or not EPISODE_ID.match(episode_id):
@@ -94,6 +109,8 @@ class Gateway:
         if prompt_index is not None and (isinstance(prompt_index, bool) or not isinstance(prompt_index, int)
                                          or prompt_index < 0):
             raise GatewayError(400, f"prompt_index={prompt_index!r} must be an integer >= 0", param="prompt_index")
+        if key is not None and (isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < 1 << 40):
+            raise GatewayError(400, f"key={key!r} must be an integer in [0, 2**40)", param="key")
         with self._lock:
             if episode_id in self._episodes:
                 raise GatewayError(409, f"episode {episode_id!r} is already open", param="id",
@@ -106,7 +123,8 @@ class Gateway:
                                    f"GatewayConfig.max_open_episodes allows; collect or discard finished ones "
                                    "(Gateway.collect / Gateway.discard) before opening more",
                                    param="id", code="too_many_episodes")
-            self._episodes[episode_id] = Episode(episode_id, self._serial, prompt_index, metadata)
+            self._episodes[episode_id] = Episode(episode_id, self._serial if key is None else key, prompt_index,
+                                                 metadata)
             self._serial += 1
         return episode_id
 
@@ -179,14 +197,14 @@ class Gateway:
             plan = self._plan(ep, req)
             prompt = plan.engine_prompt(ep)
             sampling, step, key, overridden = self._sampling(req, ep)
-            budget = self._budget(req, len(prompt))
+            budget = self._budget(req, prompt, 0 if plan.restart else len(prompt) - len(ep.prompt_ids))
             ep.attempts += 1
             got = self._generate(Job(prompt, sampling, step, key, budget))
             parsed, shown = self._reply(got, req)
             closed = bool(got.ids) and got.ids[-1] == self.codec.eot_id  # else cut: length, a stop string
             ep.commit(plan, got.ids, got.logprobs, parsed, shown, closed)
             ep.sampling_overridden += overridden
-            used = [sampling.temperature, sampling.top_p, sampling.top_k]
+            used = [getattr(sampling, k) for k in _SAMPLED]
             if used not in ep.sampling_used:
                 ep.sampling_used.append(used)
             ep.logprobs_mode, ep.seconds = got.logprobs_mode, ep.seconds + got.seconds
@@ -209,25 +227,42 @@ class Gateway:
                                code="unrenderable_messages") from None
 
     def _sampling(self, req: ChatRequest, ep: Episode) -> tuple[SamplingConfig, int, int, int]:
+        """The call's sampling (the gateway's, whatever the request asked: the trainer owns
+        it), step and seed key, and 1 if the request asked for something else (overridden)."""
         base = self.sampling
-        asked = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "seed": req.seed}
-        asked = {k: v for k, v in asked.items() if v is not None}
-        overridden = 0
-        if not self.config.use_request_sampling:
-            overridden = int(any(getattr(base, k) != v for k, v in asked.items()))
-            asked = {}
-        s = dataclasses.replace(base, **asked, stop=tuple(base.stop) + tuple(req.stop))
-        if "seed" in asked:  # OpenAI's meaning: the same seed and messages give the same reply
-            return s, 0, 0, overridden
-        return s, self.step, ep.serial * _KEY_STRIDE + ep.attempts, overridden
+        asked = {k: getattr(req, k) for k in (*_SAMPLED, "seed") if getattr(req, k) is not None}
+        differs = [k for k, v in asked.items() if k == "seed" or _canonical(k, v) != _canonical(k, getattr(base, k))]
+        if differs and self.config.sampling_policy == "refuse":
+            k = differs[0]
+            why = ("the trainer draws each episode's seed (from its seed, the step and the episode), so that the "
+                   "episodes of a group differ; leave seed unset" if k == "seed" else
+                   f"the trainer samples at {k}={getattr(base, k)!r} and its loss assumes that distribution; "
+                   f"leave {k} unset or send {getattr(base, k)!r}")
+            raise GatewayError(400, f"{k}={asked[k]!r} is refused: {why} (or set gateway.sampling_policy=override, "
+                               "GatewayConfig.sampling_policy, to serve such calls at the trainer's sampling)",
+                               param=k, code="sampling_not_allowed")
+        s = dataclasses.replace(base, stop=tuple(base.stop) + tuple(req.stop))
+        return s, self.step, ep.serial * _KEY_STRIDE + ep.attempts, int(bool(differs))
 
-    def _budget(self, req: ChatRequest, prompt_len: int) -> int:
-        budget = req.max_tokens or self.sampling.max_new_tokens
+    def _budget(self, req: ChatRequest, prompt: list[int], used: int) -> int:
+        """The call's ``max_tokens``: the request's, clipped to the sampling's per-reply
+        ``max_new_tokens``, to what the episode's budget leaves after the ``used`` tokens it
+        holds after its first prompt, and to what the context leaves."""
+        budget = self.sampling.max_new_tokens
+        if req.max_tokens is not None:
+            budget = min(budget, req.max_tokens)
+        cap = self.config.max_episode_tokens
+        if cap is not None:
+            if cap - used < 1:
+                raise GatewayError(400, f"the episode holds {used} tokens after its first prompt, its whole budget "
+                                   f"(GatewayConfig.max_episode_tokens={cap}, the trainer's gateway.max_tokens); "
+                                   "finish the episode", param="messages", code="episode_budget_exhausted")
+            budget = min(budget, cap - used)
         limit = self.config.max_model_len
         if limit is not None:
-            room = limit - prompt_len
+            room = limit - len(prompt)
             if room < 1:
-                raise GatewayError(400, f"the conversation is {prompt_len} tokens, which leaves no room in the "
+                raise GatewayError(400, f"the conversation is {len(prompt)} tokens, which leaves no room in the "
                                    f"engine's context of {limit} (GatewayConfig.max_model_len)",
                                    param="messages", code="context_length_exceeded")
             budget = min(budget, room)
@@ -283,7 +318,10 @@ class Gateway:
         """The episodes as one ``RolloutBatch``, in the order given (group-major: the
         ``group_size`` episodes of prompt 0, then of prompt 1, ...), finished and removed from
         the gateway. ``prompt_index``: each episode's own, else its position // group_size.
-        ``default_reward``: the reward of episodes that reported none (None: that is an error)."""
+        ``default_reward``: the reward of episodes that reported none (None: that is an error).
+        An episode with a call sampled at another temperature, top-p or top-k than the
+        gateway's sampling now (``set_sampling`` changed it while the episode ran) is refused:
+        its log-probs describe another distribution than the batch's."""
         ids = list(episode_ids)
         if group_size < 1 or len(ids) % group_size:
             raise ValueError(f"{len(ids)} episodes do not split into groups of group_size={group_size}")
@@ -293,6 +331,7 @@ class Gateway:
         batch = RolloutBatch(prompt_ids=[], response_ids=[], logprobs=[], finish_reasons=[], prompt_index=[],
                              group_size=group_size)
         modes, problems = set(), []
+        want = [_canonical(k, getattr(self.sampling, k)) for k in _SAMPLED]
         for k, ep in enumerate(eps):
             with ep.lock:  # waits for a call still running
                 ep.finished = True
@@ -302,6 +341,11 @@ class Gateway:
                 if ep.reward is None and default_reward is None:
                     problems.append(f"{ep.id}: no reward reported (POST /episodes/{ep.id}/reward, "
                                     "or pass default_reward)")
+                    continue
+                other = [u for u in ep.sampling_used if [_canonical(k, v) for k, v in zip(_SAMPLED, u)] != want]
+                if other:
+                    problems.append(f"{ep.id}: sampled at (temperature, top_p, top_k) {other[0]}, not the "
+                                    f"trainer's {want}; discard it")
                     continue
                 row = ep.sample(self.codec)
                 modes.add(ep.logprobs_mode)

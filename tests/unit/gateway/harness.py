@@ -19,10 +19,11 @@ class Spy:
     """Calls the real engine and keeps what it was given and what it returned."""
 
     def __init__(self, generate):
-        self.generate, self.calls, self.attempts = generate, [], []
+        self.generate, self.calls, self.attempts, self.asked = generate, [], [], []
 
     def __call__(self, prompts, sampling, **kw) -> RolloutBatch:
         self.attempts.append(len(prompts))
+        self.asked.append((sampling, kw))  # the sampling, step, seed keys and budgets of each call
         out = self.generate(prompts, sampling, **kw)
         self.calls.append(([list(p) for p in prompts], out))
         return out
@@ -35,7 +36,7 @@ class Spy:
 def make_gateway(engine, scripted, **config) -> tuple[Gateway, Spy]:
     _, script, codec = scripted
     spy = Spy(engine.generate)
-    sampling = SamplingConfig(max_new_tokens=8, seed=7)  # the gateway adds codec.eot_id as a stop
+    sampling = SamplingConfig(max_new_tokens=32, seed=7)  # the gateway adds codec.eot_id as a stop
     return Gateway(spy, codec, sampling, GatewayConfig(**{"max_model_len": MAX_MODEL_LEN, **config})), spy
 
 
