@@ -128,10 +128,10 @@ def run(t: Trainer) -> dict:
                       enabled=cfg.logging.progress and t.ps.rank == 0)
     if cfg.rollout.placement == "separate":  # the batches of the next S + 1 steps stay in flight
         t.pipeline = RolloutPipeline(cfg.algorithm.max_staleness)
-        if cfg.algorithm.max_staleness and cfg.algorithm.tis_cap is None:
-            t.say("warning: algorithm.max_staleness >= 1 without algorithm.tis_cap trains stale samples with "
+        if cfg.algorithm.max_staleness and cfg.algorithm.tis_mode == "off":
+            t.say("warning: algorithm.max_staleness >= 1 with algorithm.tis_mode=off trains stale samples with "
                   "no importance correction (measured: 10 points lower held-out accuracy on the demo); "
-                  "set --algorithm.tis_cap=2")
+                  "drop --algorithm.tis_mode=off")
         t.pipeline.fill(t, t.step + 1, steps)
     while t.step < steps:
         if limit and _agreed_elapsed(t) > limit:

@@ -35,8 +35,8 @@ from grpo_mega.algorithms.advantages import (
 from grpo_mega.algorithms.kl import (KL_ALIASES, KL_ESTIMATORS, KLEstimator, exact_kl,
                                      kl_needs_logits, kl_penalty)
 from grpo_mega.algorithms.loss import AGGREGATIONS, POLICY_LOSSES, aggregate, global_batch_counts, policy_loss
-from grpo_mega.algorithms.off_policy import (OFF_POLICY, behaviour_logp_needed, importance_weight,
-                                             proximal_pass_needed)
+from grpo_mega.algorithms.off_policy import (OFF_POLICY, behaviour_correction, behaviour_logp_needed,
+                                             importance_weight, proximal_pass_needed)
 from grpo_mega.algorithms.registry import Registry
 from grpo_mega.algorithms.vocab_parallel import (
     vocab_parallel_entropy,
@@ -64,6 +64,7 @@ __all__ = [
     "AGGREGATIONS",
     "POLICY_LOSSES",
     "OFF_POLICY",
+    "behaviour_correction",
     "importance_weight",
     "proximal_pass_needed",
     "behaviour_logp_needed",

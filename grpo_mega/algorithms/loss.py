@@ -228,7 +228,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
                 agg: str = "token-mean", variant: str = "grpo", ref_logp: Optional[Tensor] = None, kl_coef: float = 0.0,
                 kl_kind: str = "k3", kl: Optional[Tensor] = None,
                 rollout_logp: Optional[Tensor] = None,
-                tis_cap: Optional[float] = None, off_policy: str = "decoupled", entropy: Optional[Tensor] = None,
+                tis_cap: Optional[float] = None, off_policy: str = "decoupled", tis_mode: str = "clamp",
+                entropy: Optional[Tensor] = None,
                 max_len: Optional[int] = None, global_tokens: Optional[Count] = None,
                 global_seqs: Optional[Count] = None) -> Tuple[Tensor, dict]:
     """GRPO objective to MINIMISE for one micro-batch.
@@ -270,6 +271,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         rollout_logp: [B, T] log-probs reported by the rollout engine (the behaviour
             policy, which sampled the tokens).
         off_policy: an ``OFF_POLICY`` name (``decoupled`` / ``behaviour``).
+        tis_mode: ``clamp`` (min(w, tis_cap)) or ``mask`` (w, or 0 where w > tis_cap: AReaL).
         entropy: [B, T] per-token entropy, logged only (no bonus in the loss).
         agg, max_len, global_tokens, global_seqs: see ``aggregate``.
         variant: a ``POLICY_LOSSES`` name: how the ratio is formed.
@@ -321,7 +323,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
 
     mask = _as_bool_mask(mask)
     terms = objective.terms(old_logp.detach(), None if rollout_logp is None else rollout_logp.detach(),
-                            mask, tis_cap)
+                            mask, tis_cap, tis_mode)
     adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logp)
     adv = adv.detach().to(logp.dtype)
     # Zero the log-ratio at padding BEFORE exp: garbage there must not become

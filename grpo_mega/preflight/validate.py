@@ -29,6 +29,7 @@ CHOICES = {
     ("rollout", "model_runner"): ("v1", "v2", "auto"),
     ("reward", "on_error"): ("stop", "zero"),
     ("algorithm", "logprob_kernel"): ("auto", "torch", "triton"),
+    ("algorithm", "tis_mode"): ("auto", "clamp", "mask", "off"),
     ("checkpoint", "resume"): ("auto", "must", "never"),
     ("checkpoint", "export_hf"): ("never", "end", "checkpoints"),
 }
@@ -405,16 +406,18 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
         raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1] (--rollout.top_p)")
     truncated = [f"rollout.{k}={v}" for k, v, on in (("top_p", r.top_p, r.top_p < 1),
                                                      ("top_k", r.top_k, r.top_k > 0)) if on]
-    from grpo_mega.algorithms.off_policy import behaviour_logp_needed
+    from grpo_mega.algorithms.off_policy import behaviour_correction, behaviour_logp_needed
 
-    if truncated and behaviour_logp_needed(a.off_policy, a.tis_cap):
+    cap, _ = behaviour_correction(a.off_policy, a.tis_cap, a.tis_mode, a.max_staleness)
+    if truncated and behaviour_logp_needed(a.off_policy, cap):
         # vLLM's processed log-probs are of the truncated, renormalised distribution; the
         # trainer's are of softmax(logits / T) over the whole vocabulary. The TIS weight
         # exp(old - rollout), or behaviour's ratio exp(logp - rollout), would then be biased
         # on every kept token.
-        what = (f"algorithm.tis_cap={a.tis_cap}" if a.tis_cap is not None
-                else f"algorithm.off_policy={a.off_policy}")
-        fix = "--algorithm.tis_cap=null" if a.tis_cap is not None else "--algorithm.off_policy=decoupled"
+        what = (f"algorithm.tis_cap={cap}" + (" (algorithm.max_staleness>=1's default)" if a.tis_cap is None else "")
+                if cap is not None else f"algorithm.off_policy={a.off_policy}")
+        fix = ("--algorithm.off_policy=decoupled" if cap is None else
+               "--algorithm.tis_mode=off" if a.max_staleness else "--algorithm.tis_cap=null")
         raise ConfigError(f"{what} compares the trainer's log-probs with the "
                           f"engine's, which {' and '.join(truncated)} truncates before taking them; "
                           f"use {fix}, or untruncated sampling "

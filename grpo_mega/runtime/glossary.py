@@ -67,9 +67,10 @@ METRICS: dict[str, tuple[str, str]] = {
     "pad_frac": ("fraction", "share of the positions the update's passes computed that were padding "
                              "(rows padded to their micro-batch's longest; with parallel.packing only the "
                              "tail FP8 / sequence parallelism needs)"),
-    "tis_weight_mean": ("ratio", "mean truncated importance weight proximal / behaviour of the decoupled "
-                                 "objective (algorithm.tis_cap set)"),
-    "tis_clipfrac": ("fraction", "tokens whose importance weight hit algorithm.tis_cap"),
+    "tis_weight_mean": ("ratio", "mean behaviour weight proximal / behaviour of the decoupled objective after "
+                                 "the cap (algorithm.tis_cap set, or max_staleness >= 1; masked tokens count 0)"),
+    "tis_clipfrac": ("fraction", "tokens whose importance weight passed the cap: clamped to it, or masked "
+                                 "out under algorithm.tis_mode=mask (the default with max_staleness >= 1)"),
     "grad_norm": ("L2 norm", "global gradient norm before clipping (over TP, PP and DP)"),
     "skipped": ("flag (0/1)", "1 when the update was skipped for a non-finite gradient norm"),
     # after the update

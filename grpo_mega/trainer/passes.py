@@ -144,14 +144,16 @@ def micro_loss(logits: Tensor, mb: TrainingBatch, ps: ParallelState, algo, *,
         kl = _to_grid(A.exact_kl(algo.kl_kind, logits, ref_logits, ps.tp_group,
                                  **_sampling_kw(vocab_size, temperature, chunk_size)), mb, all_positions)
     old = logp.detach() if reuse_current_as_old else mb.old_logp
+    # The behaviour correction in force: with max_staleness >= 1 on by default (AReaL's mask).
+    cap, mode = A.behaviour_correction(algo.off_policy, algo.tis_cap, algo.tis_mode, algo.max_staleness)
     loss, m = A.policy_loss(
         logp, old, mb.advantages, mb.loss_mask,
         clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip=algo.dual_clip,
         agg=algo.loss_agg, variant=algo.policy_loss,
         ref_logp=mb.ref_logp if algo.kl_coef > 0 and kl is None else None,
         kl_coef=algo.kl_coef, kl_kind=algo.kl_kind, kl=kl,
-        rollout_logp=mb.rollout_logp if A.behaviour_logp_needed(algo.off_policy, algo.tis_cap) else None,
-        tis_cap=algo.tis_cap, off_policy=algo.off_policy, entropy=entropy, max_len=max_len,
+        rollout_logp=mb.rollout_logp if A.behaviour_logp_needed(algo.off_policy, cap) else None,
+        tis_cap=cap, off_policy=algo.off_policy, tis_mode=mode, entropy=entropy, max_len=max_len,
         global_tokens=max(global_tokens, 1), global_seqs=max(global_seqs, 1))
     return loss, m, logp
 

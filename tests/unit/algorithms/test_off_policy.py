@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from grpo_mega import algorithms as A
+from grpo_mega.algorithms.off_policy import STALE_TIS_CAP
 from grpo_mega.config import AlgorithmConfig, ConfigError, load_config
 from grpo_mega.preflight.validate import validate
 
@@ -34,10 +35,11 @@ def _case(seed: int = 0, dtype=torch.float64) -> dict:
             for k, v in dict(logp=logp, prox=prox, behav=behav, mask=mask, adv=adv).items()}
 
 
-def _reference(c: dict, *, anchor: str, cap) -> tuple[float, list[list[float]]]:
+def _reference(c: dict, *, anchor: str, cap, mode: str = "clamp") -> tuple[float, list[list[float]]]:
     """token-mean of -w * min(r A, clip(r) A), r = pi_theta / pi_anchor, and its gradient
     d loss / d logp per token, one Python float at a time (float64). ``anchor``: "prox" or
-    "behav"; ``cap``: None (no weight), "none" (untruncated weight) or a number."""
+    "behav"; ``cap``: None (no weight), "none" (untruncated weight) or a number, applied as
+    ``mode``: "clamp" (min(w, cap)) or "mask" (AReaL: w = 0 where w > cap)."""
     rows, cols = c["mask"].shape
     n = int(c["mask"].sum())
     total, grad = 0.0, [[0.0] * cols for _ in range(rows)]
@@ -50,7 +52,7 @@ def _reference(c: dict, *, anchor: str, cap) -> tuple[float, list[list[float]]]:
             r = math.exp(lp - (px if anchor == "prox" else bh))
             w = 1.0 if cap is None else math.exp(px - bh)
             if isinstance(cap, float):
-                w = min(w, cap)
+                w = min(w, cap) if mode == "clamp" else (0.0 if w > cap else w)
             clipped = min(max(r, 1 - CLIP_LOW), 1 + CLIP_HIGH)
             total += -w * min(r * a, clipped * a)
             # the unclipped branch is the min (or the clip does not bind): gradient r A
@@ -59,10 +61,11 @@ def _reference(c: dict, *, anchor: str, cap) -> tuple[float, list[list[float]]]:
     return total / n, grad
 
 
-def _ours(c: dict, *, off_policy: str, cap, rollout: bool):
+def _ours(c: dict, *, off_policy: str, cap, rollout: bool, mode: str = "clamp"):
     logp = c["logp"].clone().requires_grad_()
     loss, m = A.policy_loss(logp, c["prox"], c["adv"], c["mask"], clip_low=CLIP_LOW, clip_high=CLIP_HIGH,
-                            rollout_logp=c["behav"] if rollout else None, tis_cap=cap, off_policy=off_policy)
+                            rollout_logp=c["behav"] if rollout else None, tis_cap=cap, off_policy=off_policy,
+                            tis_mode=mode)
     loss.backward()
     return loss, logp.grad, m
 
@@ -99,6 +102,40 @@ def test_off_policy_decoupled_matches_fp64_reference(seed):
     # no cap but behaviour log-probs given: the untruncated weight
     loss, grad, _ = _ours(c, off_policy="decoupled", cap=None, rollout=True)
     _assert_matches(loss, grad, *_reference(c, anchor="prox", cap="none"))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_async_masked_behaviour_weight_matches_areal_fp64_reference(seed):
+    """Issue 40 finding 5: a set cap clamped the weight where AReaL's decoupled objective
+    masks the token (``behav_imp_weight_cap``). Under ``tis_mode=mask`` a token whose weight
+    pi_prox / pi_b passes the cap must leave the surrogate (weight 0; the denominator
+    still counts it, as AReaL's), the others keep their untruncated weight: loss and
+    d loss / d logp against the fp64 reference, and ``tis_clipfrac`` counts the masked."""
+    c = _case(seed)
+    loss, grad, m = _ours(c, off_policy="decoupled", cap=CAP, rollout=True, mode="mask")
+    _assert_matches(loss, grad, *_reference(c, anchor="prox", cap=CAP, mode="mask"))
+    w = (c["prox"] - c["behav"]).exp()[c["mask"]]
+    torch.testing.assert_close(m["tis_weight_mean"], torch.where(w > CAP, 0.0, w).mean().float())
+    torch.testing.assert_close(m["tis_clipfrac"], (w > CAP).double().mean().float())
+
+
+def test_async_stale_samples_are_corrected_by_default():
+    """Issue 40 finding 5: with ``max_staleness >= 1`` the default ``tis_cap: null`` applied no
+    behaviour correction at all (only a warning). The default must now weight stale samples
+    (AReaL's masking at ``STALE_TIS_CAP``) while the synchronous loop keeps no weight and
+    clamping, ``tis_mode=off`` opts out, and ``behaviour`` never weighs."""
+    cfg = AlgorithmConfig()
+    assert cfg.tis_cap is None and cfg.tis_mode == "auto"
+    assert A.behaviour_correction("decoupled", None, "auto", 0) == (None, "clamp")
+    assert A.behaviour_correction("decoupled", 2.0, "auto", 0) == (2.0, "clamp")
+    assert A.behaviour_correction("decoupled", None, "auto", 1) == (STALE_TIS_CAP, "mask")
+    assert A.behaviour_correction("decoupled", 2.0, "clamp", 3) == (2.0, "clamp")
+    assert A.behaviour_correction("decoupled", None, "off", 2) == (None, "clamp")
+    assert A.behaviour_correction("behaviour", None, "auto", 2) == (None, "clamp")
+    with pytest.raises(ValueError, match="--algorithm.tis_mode"):
+        A.behaviour_correction("decoupled", None, "truncate", 1)
+    with pytest.raises(ConfigError, match="algorithm.tis_mode"):
+        validate(load_config(None, ["--algorithm.tis_mode=truncate"]), 1, check_hardware=False)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -187,8 +224,9 @@ def test_off_policy_decoupled_at_staleness_0_reduces_bitwise_to_todays_loss():
     g_today, = torch.autograd.grad(today, x)
     assert torch.equal(g_new, g_today)
     assert bool((mb.rollout_logp[mb.loss_mask] != logp.detach()[mb.loss_mask]).all())  # a weight would show
-    # today's TIS: cap set, proximal pass run (old_logp differs from the current log-probs)
-    algo = AlgorithmConfig(kl_coef=0.0, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, tis_cap=CAP)
+    # today's TIS: cap set; the proximal pass runs when the policy moves (two epochs here), so
+    # old_logp differs from the current log-probs
+    algo = AlgorithmConfig(kl_coef=0.0, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, tis_cap=CAP, ppo_epochs=2)
     assert _needs_proximal(algo)
     mb.old_logp = mb.rollout_logp + 0.9 * torch.randn(mb.rollout_logp.shape, generator=torch.Generator().manual_seed(4))
     x, loss, _, logp = _micro_loss(mb, logits, algo, reuse=False)
@@ -199,18 +237,21 @@ def test_off_policy_decoupled_at_staleness_0_reduces_bitwise_to_todays_loss():
     assert torch.equal(g_new, g_today)
 
 
-@pytest.mark.parametrize("off_policy, cap", [("decoupled", CAP), ("decoupled", None), ("behaviour", None)])
-def test_off_policy_stale_update_through_micro_loss_matches_fp64_reference(off_policy, cap):
-    """Guards against the trainer's wiring at max_staleness 1: ``micro_loss`` not passing
-    ``algorithm.off_policy`` (behaviour would train as decoupled), not passing the rollout's
-    log-probs where the objective reads them (behaviour always, decoupled with a cap), or
-    reusing the current log-probs as proximal when the objective needs the proximal pass
-    (decoupled with no cap: the ratio would be 1 against the current weights). The
-    proximal log-probs (as the proximal pass would write them) differ from the current
-    ones; loss and d loss / d logp against the fp64 reference."""
+@pytest.mark.parametrize("off_policy, cap, mode, want_cap", [
+    ("decoupled", CAP, "clamp", CAP), ("decoupled", CAP, "auto", CAP),
+    ("decoupled", None, "auto", STALE_TIS_CAP), ("behaviour", None, "auto", None)])
+def test_off_policy_stale_update_through_micro_loss_matches_fp64_reference(off_policy, cap, mode, want_cap):
+    """Guards against the trainer's wiring at max_staleness 1 (two PPO epochs, so the
+    proximal pass runs): ``micro_loss`` not passing ``algorithm.off_policy`` (behaviour would
+    train as decoupled), not passing the rollout's log-probs where the objective reads them
+    (behaviour always, decoupled with a cap, and by default at S >= 1: issue 40 finding 5),
+    not passing the cap's mode (``auto`` is AReaL's mask at S >= 1), or reusing the current
+    log-probs as proximal when the policy moves. The proximal log-probs (as the proximal
+    pass would write them) differ from the current ones; loss and d loss / d logp against
+    the fp64 reference."""
     mb, logits = _micro(1)
-    algo = AlgorithmConfig(kl_coef=0.0, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, tis_cap=cap,
-                           off_policy=off_policy, max_staleness=1)
+    algo = AlgorithmConfig(kl_coef=0.0, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, tis_cap=cap, tis_mode=mode,
+                           off_policy=off_policy, max_staleness=1, ppo_epochs=2)
     g = torch.Generator().manual_seed(5)
     mb.old_logp = mb.rollout_logp + 0.8 * torch.randn(mb.rollout_logp.shape, generator=g)
     x, loss, m, logp = _micro_loss(mb, logits, algo, reuse=not _needs_proximal(algo))
@@ -219,7 +260,8 @@ def test_off_policy_stale_update_through_micro_loss_matches_fp64_reference(off_p
     rows = mb.loss_mask
     c = dict(logp=logp.detach().double(), behav=mb.rollout_logp.double(), mask=rows,
              prox=mb.old_logp.double(), adv=mb.advantages.double())
-    ref_loss, ref_grad = _reference(c, anchor="prox" if off_policy == "decoupled" else "behav", cap=cap)
+    ref_loss, ref_grad = _reference(c, anchor="prox" if off_policy == "decoupled" else "behav", cap=want_cap,
+                                    mode="mask" if mode == "auto" else mode)
     torch.testing.assert_close(loss.double(), torch.tensor(ref_loss, dtype=torch.float64), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logp.grad.double(), torch.tensor(ref_grad, dtype=torch.float64),
                                rtol=1e-5, atol=1e-7)
@@ -229,18 +271,21 @@ def test_off_policy_stale_update_through_micro_loss_matches_fp64_reference(off_p
     ("decoupled", 0, 1, 1, None, False),   # synchronous, on-policy: the update is the old pass
     ("decoupled", 0, 2, 1, None, True),
     ("decoupled", 0, 1, 3, None, True),
-    ("decoupled", 0, 1, 1, 2.0, True),     # today's TIS
-    ("decoupled", 1, 1, 1, None, True),    # stale samples: current weights are not the behaviour
-    ("decoupled", 4, 1, 1, 2.0, True),
+    ("decoupled", 0, 1, 1, 2.0, False),    # TIS at one optimizer step: the update's log-probs are proximal
+    ("decoupled", 1, 1, 1, None, False),   # stale, one optimizer step: the pass changes nothing
+    ("decoupled", 4, 1, 1, 2.0, False),
+    ("decoupled", 2, 2, 1, None, True),    # stale and the policy moves
     ("behaviour", 0, 1, 1, None, False),
     ("behaviour", 2, 1, 1, None, False),
     ("behaviour", 2, 3, 2, None, False),   # anchors on the rollout: never needs the pass
 ])
 def test_off_policy_proximal_pass_needed(off_policy, max_staleness, epochs, minis, cap, expected):
-    """Guards against skipping the proximal pass for stale samples at one epoch and one
-    mini-batch (the ratio would be 1 against the current weights: no trust region at all),
-    against running it for ``behaviour`` (a wasted forward), and against changing the
-    synchronous loop's choice (no pass at one epoch, one mini-batch, no cap)."""
+    """Guards against running the proximal pass where it cannot change the loss (issue 40
+    finding 5: one epoch and one mini-batch, stale samples or a cap included: the weights
+    the step starts from are the current ones at its only optimizer step, so the update's
+    own log-probs, detached, are the proximal ones and give the same weight), against
+    skipping it when the policy moves (epochs or mini-batches), against running it for
+    ``behaviour`` (a wasted forward)."""
     assert A.proximal_pass_needed(off_policy, ppo_epochs=epochs, mini_batches=minis,
                                   max_staleness=max_staleness, tis_cap=cap) is expected
     assert A.behaviour_logp_needed(off_policy, cap) is (off_policy == "behaviour" or cap is not None)

@@ -11,11 +11,12 @@ import torch
 from tests.distributed import run_ranks
 from tests.unit.trainer.test_batch import _batch, _model_cfg
 
-CASES = {  # name -> (off_policy, max_staleness, tis_cap, proximal pass expected)
-    "sync": ("decoupled", 0, None, False),
-    "sync_tis": ("decoupled", 0, 2.0, True),
-    "stale": ("decoupled", 1, None, True),
-    "behaviour": ("behaviour", 2, None, False),
+CASES = {  # name -> (off_policy, max_staleness, tis_cap, ppo_epochs, proximal pass expected)
+    "sync": ("decoupled", 0, None, 1, False),
+    "sync_tis": ("decoupled", 0, 2.0, 1, False),  # one optimizer step: the update's log-probs are proximal
+    "stale": ("decoupled", 1, None, 1, False),    # the same, for stale samples (issue 40 finding 5)
+    "stale_epochs": ("decoupled", 1, None, 2, True),
+    "behaviour": ("behaviour", 2, None, 2, False),
 }
 
 
@@ -44,8 +45,9 @@ def _stages_rank(rank, world):
     compute_logprobs(model, want.split(3), ps, vocab_size=cfg.model.vocab_size, temperature=t.temperature,
                      key="old_logp")
     out = {}
-    for name, (off_policy, s, cap, _) in CASES.items():
+    for name, (off_policy, s, cap, epochs, _) in CASES.items():
         cfg.algorithm.off_policy, cfg.algorithm.max_staleness, cfg.algorithm.tis_cap = off_policy, s, cap
+        cfg.algorithm.ppo_epochs = epochs
         b = _batch()
         plan = stages.logprobs(t, b)
         out[name] = {"pass": plan.off_policy, "filled": b.old_logp is not None,
@@ -61,13 +63,13 @@ def _stages_rank(rank, world):
 
 
 @pytest.mark.slow
-def test_off_policy_proximal_pass_runs_for_stale_decoupled_only():
-    """Guards against the trainer skipping the proximal pass for stale samples at one epoch
-    and one mini-batch (``max_staleness >= 1`` with ``decoupled``: the update would take its
-    own log-probs as proximal, ratio 1, no trust region), against running it under
-    ``behaviour`` (a wasted forward) or in the synchronous loop with no cap (today's reuse of
-    the update's log-probs lost), and against the pass's log-probs not reaching the batch the
-    update reads."""
+def test_off_policy_proximal_pass_runs_only_when_the_policy_moves():
+    """Guards against the trainer running the proximal pass where it cannot change the loss
+    (issue 40 finding 5: one epoch and one mini-batch, with stale samples or a cap too; the
+    update's own log-probs, detached, are the proximal ones), against skipping it when the
+    policy moves within the step (two PPO epochs: the update would clip against moving
+    weights), against running it under ``behaviour`` (a wasted forward), and against the
+    pass's log-probs not reaching the batch the update reads."""
     (r,) = run_ranks(1, _stages_rank, timeout=300)
     for name, (*_, expected) in CASES.items():
         got = r[name]
