@@ -39,7 +39,16 @@ class ParallelConfig:
     group is carved out of the data-parallel ranks (megatron's layout): dp must divide by
     ep. Experts are also TP-sharded (expert TP = ``tp``)."""
     micro_batch_size: int = 4
-    """Sequences per micro-batch through the pipeline schedule."""
+    """Sequences per micro-batch through the pipeline schedule (unused when
+    ``max_tokens_per_micro_batch`` > 0)."""
+    max_tokens_per_micro_batch: int = 0
+    """Token budget of a micro-batch (prompt + response tokens); 0: ``micro_batch_size`` rows
+    each. > 0: each mini-batch's rows are binned under this budget by greedy LPT (longest row
+    first into the lightest bin), the micro-batch count agreed over DP (the maximum), so short
+    rows share a micro-batch and the work per micro-batch is even. Must hold the longest
+    single-turn sequence, ``data.max_prompt_tokens + rollout.max_new_tokens`` (refused at
+    start-up otherwise); a longer multi-turn episode runs alone. Same update as a row count
+    (global normalisers). See docs/guides/packing.md."""
     packing: bool = False
     """Run each micro-batch packed (THD): its sequences back to back with no padding between
     them, attention kept within each sequence and RoPE positions restarting per sequence,

@@ -14,6 +14,7 @@ from typing import Optional
 
 from grpo_mega.config import SIGNED_FIELDS, Config, ConfigError, check_numbers, derived_dp, rollout_tp
 from grpo_mega.models.precision import check_fp8_here
+from grpo_mega.preflight.micro_batches import check_micro_batches
 from grpo_mega.preflight.placement import check_placement
 
 
@@ -452,11 +453,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
     if samples % mini:
         raise ConfigError(f"data.prompts_per_step*rollout.n = {samples} samples is not divisible by "
                           f"data.mini_batch_size={mini} (--data.mini_batch_size)")
-    if mini % (dp * p.micro_batch_size):
-        raise ConfigError(f"mini-batch of {mini} samples cannot split into dp={dp} x "
-                          f"parallel.micro_batch_size={p.micro_batch_size}; make "
-                          f"--parallel.micro_batch_size divide {mini // dp if mini % dp == 0 else mini}"
-                          f" per DP rank")
+    check_micro_batches(cfg, dp, mini)  # a row count, or a token budget that holds every sequence
     if d.prompts_per_step % dp:
         raise ConfigError(f"data.prompts_per_step={d.prompts_per_step} is not divisible by dp={dp} "
                           f"(--data.prompts_per_step)")

@@ -67,6 +67,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "pad_frac": ("fraction", "share of the positions the update's passes computed that were padding "
                              "(rows padded to their micro-batch's longest; with parallel.packing only the "
                              "tail FP8 / sequence parallelism needs)"),
+    "tokens_per_micro_batch": ("tokens", "mean prompt + response tokens per micro-batch of the update, over "
+                                         "every DP replica (parallel.micro_batch_size rows, or binned under "
+                                         "parallel.max_tokens_per_micro_batch)"),
     "tis_weight_mean": ("ratio", "mean behaviour weight proximal / behaviour of the decoupled objective after "
                                  "the cap (algorithm.tis_cap set, or max_staleness >= 1; masked tokens count 0)"),
     "tis_clipfrac": ("fraction", "tokens whose importance weight passed the cap: clamped to it, or masked "

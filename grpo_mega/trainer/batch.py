@@ -55,6 +55,7 @@ class TrainingBatch:
     ref_logp: Optional[Tensor] = None  # [N, S-1] float32, filled by compute_logprobs
     routed_experts: Optional[Tensor] = None  # [N, S, L, k] int16 expert ids (-1: not recorded), see above
     packing: bool = False     # run each micro-batch packed (THD, ``parallel.packing``)
+    filler: bool = False      # a micro-batch with nothing to train, run to keep DP in step (``trainer.microbatches``)
 
     @classmethod
     def pack(cls, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
@@ -136,8 +137,8 @@ class TrainingBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt + response tokens (unpadded), from the host copy."""
-        return sum(self.seq_lens)
+        """Prompt + response tokens (unpadded), from the host copy; 0 for a filler."""
+        return 0 if self.filler else sum(self.seq_lens)
 
     @functools.cached_property
     def packed(self) -> Optional[PackedRows]:
@@ -172,6 +173,15 @@ class TrainingBatch:
         routed = None if self.routed_experts is None else self.routed_experts[rows, :s]
         return dataclasses.replace(self, tokens=self.tokens[rows, :s], advantages=adv,
                                    seq_lens=lens, routed_experts=routed, **per_tok)
+
+    def take(self, rows: Sequence[int]) -> "TrainingBatch":
+        """The rows ``rows`` (indices, in that order) as a new batch (copies, same columns)."""
+        idx = torch.tensor(list(rows), dtype=torch.long, device=self.tokens.device)
+        per_row = {k: None if getattr(self, k) is None else getattr(self, k).index_select(0, idx)
+                   for k in ("tokens", "loss_mask", "advantages", "rollout_logp", "old_logp", "ref_logp",
+                             "routed_experts")}
+        return dataclasses.replace(self, targets=per_row["tokens"][:, 1:],
+                                   seq_lens=[self.seq_lens[i] for i in rows], **per_row)
 
     def split(self, size: int) -> list["TrainingBatch"]:
         """Consecutive slices of ``size`` rows (the last one may be shorter)."""

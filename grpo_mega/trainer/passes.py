@@ -211,7 +211,7 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
                  for k, v in m.items() if k not in ("pg_loss", "kl_loss")}
         stats.update(loss=loss.detach().double(), n_tokens=n_valid, rollout_gap_sum=gap,
                      positions=n_valid.new_tensor(mb.computed_positions),
-                     seq_tokens=n_valid.new_tensor(mb.num_tokens))
+                     seq_tokens=n_valid.new_tensor(mb.num_tokens), micro_batches=n_valid.new_tensor(1.0))
         return loss, stats
 
     optimizer.zero_grad()
@@ -235,8 +235,11 @@ def update_policy(model, optimizer, micro: list[TrainingBatch], ps: ParallelStat
         n = sums.pop("n_tokens").clamp(min=1.0)
         # share of the positions the passes computed that were padding (parallel.packing)
         positions, seq_tokens = sums.pop("positions"), sums.pop("seq_tokens")
+        micro_batches = sums.pop("micro_batches")
         metrics = {k: v / n for k, v in sums.items() if k not in ("loss", "rollout_gap_sum")}
         metrics["pad_frac"] = 1.0 - seq_tokens / positions.clamp(min=1.0)
+        # over every replica's micro-batches (fillers count as micro-batches of 0 tokens)
+        metrics["tokens_per_micro_batch"] = seq_tokens / micro_batches.clamp(min=1.0)
         metrics["loss"] = sums["loss"]
         metrics["rollout_logp_gap"] = sums["rollout_gap_sum"] / n
     metrics.update(grad_norm=info["grad_norm"], skipped=float(info["skipped"]))

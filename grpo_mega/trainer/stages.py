@@ -37,6 +37,7 @@ from grpo_mega.distributed.errors import run_on_src
 from grpo_mega.runtime.faults import fault_point
 from grpo_mega.models.precision import seq_multiple
 from grpo_mega.trainer.dynamic_sampling import KeptGroups
+from grpo_mega.trainer.microbatches import cut, plan_micro_batches
 from grpo_mega.trainer.batch import TrainingBatch
 from grpo_mega.trainer.passes import compute_logprobs, metrics_to_floats, update_policy
 
@@ -252,6 +253,10 @@ class UpdatePlan:
     takes its own log-probs, detached, as the proximal ones."""
     replay_routing: bool = False
     """The update forwards replay the MoE routing recorded in the micro-batches."""
+    batch: Optional[TrainingBatch] = None
+    """The batch the micro-batches are views of: the step's, or under a token budget a copy
+    with its rows reordered (``trainer.microbatches``); ``order[i]``: the step's row at row i."""
+    order: Optional[list[int]] = None
 
     @property
     def flat(self) -> list[TrainingBatch]:
@@ -300,6 +305,10 @@ def logprobs(t: Trainer, batch: TrainingBatch) -> UpdatePlan:
                                         max_staleness=algo.max_staleness, tis_cap=algo.tis_cap)
     ref_logprobs = t.ref is not None and not _exact_kl(t)
     record = off_policy and algo.routing_replay == "record-in-trainer"
+    # A row count or a token budget (rows reordered within each mini-batch, count agreed over DP).
+    batch, sizes, order = plan_micro_batches(batch, per_rank_mini, cfg.parallel.micro_batch_size,
+                                         cfg.parallel.max_tokens_per_micro_batch,
+                                         ps.dp_group if ps.dp > 1 else None, ps.device)
     if ref_logprobs:
         batch.ref_logp = batch.empty_logp()
     if off_policy:
@@ -307,8 +316,7 @@ def logprobs(t: Trainer, batch: TrainingBatch) -> UpdatePlan:
     if record:
         batch.routed_experts = batch.empty_routing(cfg.model.num_layers, cfg.model.moe_router_topk)
     # Slice after allocating, so the micro-batch views alias the buffers filled below.
-    plan = UpdatePlan([m.split(cfg.parallel.micro_batch_size) for m in batch.split(per_rank_mini)], off_policy,
-                      replay_routing=record)
+    plan = UpdatePlan(cut(batch, sizes), off_policy, replay_routing=record, batch=batch, order=order)
     kw = _kernel_kw(t)
     if ref_logprobs:
         with _reference_on_device(t):

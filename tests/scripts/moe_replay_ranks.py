@@ -11,9 +11,10 @@ map's True columns, rows in the router's sequence-major order). Each rank report
 mode, the observed routing of each pass per micro-batch, the recorded
 ``batch.routed_experts``, and the update's mean |logp - old_logp| on mini-batch 2 (the
 batch's rollout log-probs are set to the old-policy ones, so ``rollout_logp_gap`` measures it).
-At EP2, ``record-in-trainer`` also runs with ``parallel.packing`` (key suffix `` packed``): its
-observed routing is in packed order (``[1, T, k]`` per micro-batch), and it reports each
-micro-batch's packed-to-grid index.
+At EP2, ``record-in-trainer`` also runs with ``parallel.packing`` and a token budget
+(``parallel.max_tokens_per_micro_batch``, key suffix `` packed``): its observed routing is in
+packed order (``[1, T, k]`` per micro-batch), and it reports each micro-batch's packed-to-grid
+index (grid rows in the step's order, before the budget's reordering).
 """
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ import torch
 
 LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (1, 2, 1)]  # (tp, pp, ep) at world 2
 PACKED = (1, 1, 2)  # also run packed (parallel.packing), record-in-trainer, at EP2
+BUDGET = 19  # ... under this token budget: mini-batch 1 fits one micro-batch on rank 0 (5 + 11
+# tokens) and needs two on rank 1 (11 + 10): the count must be agreed, or the all-to-alls part;
+# mini-batch 2 is one packed micro-batch of two rows on both (10 + 9, 9 + 8)
 GLOBAL, MINI, MICRO = 8, 4, 2
 LR = 3e-3  # large, so that one step flips some tokens' experts
 
@@ -68,7 +72,7 @@ def _per_micro(log: list, shapes: list[tuple[int, int]]) -> list[dict]:
     return out
 
 
-def _run(root: Path, tp: int, pp: int, ep: int, mode: str, packing: bool = False) -> dict:
+def _run(root: Path, tp: int, pp: int, ep: int, mode: str, packing: bool = False, budget: int = 0) -> dict:
     from megatron.core import parallel_state as mpu
 
     from grpo_mega.checkpoint.convert import load_hf_weights
@@ -87,7 +91,8 @@ def _run(root: Path, tp: int, pp: int, ep: int, mode: str, packing: bool = False
     cfg = load_config(None, [f"--algorithm.routing_replay={mode}", "--algorithm.kl_coef=0",
                              f"--data.prompts_per_step={GLOBAL}", "--rollout.n=1",
                              f"--data.mini_batch_size={MINI}", f"--parallel.micro_batch_size={MICRO}",
-                             f"--optimizer.lr={LR}", f"--parallel.packing={str(packing).lower()}"])
+                             f"--optimizer.lr={LR}", f"--parallel.packing={str(packing).lower()}",
+                             f"--parallel.max_tokens_per_micro_batch={budget}"])
     cfg.model = model_config_from_hf(json.loads((root / "hf" / "config.json").read_text()))
     model = build_model(cfg.model, ps)
     load_hf_weights(model, root / "hf", ps, cfg.model)
@@ -105,6 +110,8 @@ def _run(root: Path, tp: int, pp: int, ep: int, mode: str, packing: bool = False
     handles = _observe(model, log)
     batch.ref_logp = batch.empty_logp()  # unused by the loss (kl_coef 0): the gap's reference
     plan = stages.logprobs(t, batch)
+    batch, order = plan.batch, plan.order  # rows reordered under a token budget
+    back = torch.argsort(torch.tensor(order))
     shapes = [tuple((mb.packed if mb.packing else mb).tokens.shape) for mb in plan.flat]
     old_seen = _per_micro(log, shapes)
     log.clear()
@@ -124,11 +131,12 @@ def _run(root: Path, tp: int, pp: int, ep: int, mode: str, packing: bool = False
     return {"dp_rank": ps.dp_rank, "dp": ps.dp, "pp_rank": ps.pp_rank, "shapes": shapes,
             "micro_rows": [(mb_start, len(mb)) for mb_start, mb in _row_starts(plan)],
             "old_seen": old_seen, "update_seen": update_seen,
-            "routed": None if batch.routed_experts is None else batch.routed_experts.clone(),
+            "routed": None if batch.routed_experts is None else batch.routed_experts[back].clone(),
             "replayed_flag": plan.replay_routing, "gap_mb2": float(metrics.get("rollout_logp_gap", 0.0)),
             "is_last_stage": ps.is_last_stage, "ref_gap_sum": ref_sum, "ref_gap_tokens": ref_n,
-            "packed_index": [(mb.packed.rows + start, mb.packed.cols) for start, mb in _row_starts(plan)
-                             if mb.packing]}
+            "packed_index": [(torch.tensor(order)[mb.packed.rows + start], mb.packed.cols)
+                             for start, mb in _row_starts(plan) if mb.packing],
+            "micro_batches": len(plan.flat)}
 
 
 def _reference_after_first_step(t, plan, log: list) -> None:
@@ -178,7 +186,8 @@ def _rank_main(rank: int, world: int, root: str) -> dict:
     runs = {f"tp{tp} pp{pp} ep{ep} {mode}": _run(root, tp, pp, ep, mode)
             for tp, pp, ep in LAYOUTS for mode in ("off", "record-in-trainer")}
     tp, pp, ep = PACKED
-    runs[f"tp{tp} pp{pp} ep{ep} record-in-trainer packed"] = _run(root, tp, pp, ep, "record-in-trainer", True)
+    runs[f"tp{tp} pp{pp} ep{ep} record-in-trainer packed"] = _run(root, tp, pp, ep, "record-in-trainer", True,
+                                                                  budget=BUDGET)
     return runs
 
 

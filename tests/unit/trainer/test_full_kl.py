@@ -202,8 +202,14 @@ def test_packed_update_equals_padded_at_tp2_pp2_dp2_fp64(layout):
     packed hidden states mis-sized between PP stages (the reference's travel with them), a
     pad token in the loss, or a normaliser counted per micro-batch or per DP rank instead of
     globally: packed log-probs within 1e-12 and update gradients within 1e-10 of the padded
-    path (test_packing.py, float64; at DP=2 each rank holds half the rows)."""
+    path (test_packing.py, float64; at DP=2 each rank holds half the rows), in micro-batches
+    of a row count and under a token budget (``parallel.max_tokens_per_micro_batch``), where
+    it also guards a DP rank running a different micro-batch count (rank 0's rows fit fewer
+    micro-batches than rank 1's: the count must be agreed, or MoE's all-to-alls hang)."""
     from tests.unit.trainer.test_packing import check_packed_equals_padded
 
-    for r in shared_launch():
-        check_packed_equals_padded(r["packing"][layout])
+    results = [r["packing"][layout] for r in shared_launch()]
+    for r in results:
+        check_packed_equals_padded(r)
+    if layout == "dp2":
+        assert [r["micro_batches"] for r in results] == [3, 3], [r["micro_batches"] for r in results]

@@ -192,8 +192,12 @@ def test_moe_packed_routing_replay_equals_padded_at_ep2(reports):
     order), a replay that feeds the packed forward the grid's order or gives the tail's
     padding unrecorded (-1) experts, or packed rows routed differently from padded ones: at
     every real token the packed run records the padded run's experts, its old-policy and
-    update forwards use exactly those, and mini-batch 2's log-prob gap equals the padded run's."""
+    update forwards use exactly those, and mini-batch 2's log-prob gap equals the padded run's.
+    The packed run also bins rows under a token budget (``parallel.max_tokens_per_micro_batch``),
+    which guards a DP rank with a different micro-batch count: rank 0's first mini-batch fits
+    one micro-batch, rank 1's needs two, and both must run three in all."""
     layout = "tp{} pp{} ep{}".format(*M.PACKED)
+    assert [r[f"{layout} record-in-trainer packed"]["micro_batches"] for r in reports] == [3, 3]
     for r in reports:
         pad, pk = r[f"{layout} record-in-trainer"], r[f"{layout} record-in-trainer packed"]
         assert pk["replayed_flag"] and len(pk["packed_index"]) == len(pk["shapes"]) > 1

@@ -35,54 +35,74 @@ def _algos():
     }
 
 
-def _run(ps, model, ref, *, packing: bool, micro: int, rows: slice) -> dict:
+def _run(ps, model, ref, *, packing: bool, micro: int, rows: slice, budget: int = 0, fillers: int = 0) -> dict:
     """Reference and old-policy log-probs, then one update per algorithm, of the episodes'
-    ``rows`` (this DP rank's share) in micro-batches of ``micro`` rows."""
+    ``rows`` (this DP rank's share) in micro-batches of ``micro`` rows, or binned under a
+    ``budget`` of tokens (rows reordered; results put back in row order) with ``fillers``
+    extra micro-batches of nothing to train."""
+    from grpo_mega.trainer.microbatches import cut, plan_micro_batches
     from grpo_mega.trainer.passes import compute_logprobs, metrics_to_floats, update_policy
 
     kw = dict(vocab_size=VOCAB, temperature=TEMP, chunk_size=CHUNK)
     b = dataclasses.replace(_episodes().slice(rows.start, rows.stop), packing=packing)
+    b, sizes, order = plan_micro_batches(b, len(b), micro, budget, ps.dp_group if ps.dp > 1 else None,
+                                         ps.device)
+    sizes = [sizes[0] + [0] * fillers]
+    back = torch.argsort(torch.tensor(order))
     # float64 buffers (the trainer's are float32), so the comparison sees fp64 rounding
     b.old_logp, b.ref_logp = (torch.zeros(b.loss_mask.shape, dtype=torch.float64) for _ in range(2))
-    compute_logprobs(model, b.split(micro), ps, key="old_logp", **kw)
-    compute_logprobs(ref, b.split(micro), ps, key="ref_logp", **kw)
-    out = {"old": b.old_logp.clone(), "ref": b.ref_logp.clone(), "mask": b.loss_mask.clone()}
-    # an old policy some way off, so the clip and the ratio's gradient both act
+    compute_logprobs(model, cut(b, sizes)[0], ps, key="old_logp", **kw)
+    compute_logprobs(ref, cut(b, sizes)[0], ps, key="ref_logp", **kw)
+    out = {"old": b.old_logp[back].clone(), "ref": b.ref_logp[back].clone(), "mask": b.loss_mask[back].clone(),
+           "micro_batches": len(sizes[0])}
+    # an old policy some way off, so the clip and the ratio's gradient both act (drawn in row order)
     g = torch.Generator().manual_seed(9)
-    b.old_logp = out["old"] + 0.3 * torch.randn(out["old"].shape, generator=g) * b.loss_mask
-    per_token = torch.randn(b.loss_mask.shape, generator=g) * b.loss_mask
+    b.old_logp = (out["old"] + 0.3 * torch.randn(out["old"].shape, generator=g) * out["mask"])[order]
+    per_token = (torch.randn(out["mask"].shape, generator=g) * out["mask"])[order]
     for name, algo in _algos().items():
         mb = dataclasses.replace(b, advantages=per_token) if "per_token" in name else b
         opt = _Grads(model)
-        metrics = update_policy(model, opt, mb.split(micro), ps, algo, max_len=8, reuse_current_as_old=False,
+        metrics = update_policy(model, opt, cut(mb, sizes)[0], ps, algo, max_len=8, reuse_current_as_old=False,
                                 reference=ref if algo.kl_kind == "full" else None, **kw)
         out[name] = dict(metrics=metrics_to_floats(metrics), grads=opt.grads)
     return out
 
 
-def packed_paths(ps, rows: slice = slice(0, 6)) -> dict:
-    """Padded (micro-batches of ``MICRO`` rows, and all rows as one micro-batch) and packed
-    (``MICRO`` rows): the differences of log-probs, metrics and gradients, on this rank."""
+BUDGET, FILLERS = 6, 1  # tokens per micro-batch (the 7-token row runs alone), extra empty micro-batches
+
+
+def packed_paths(ps, rows: slice = slice(0, 6), budget: int = BUDGET, fillers: int = FILLERS) -> dict:
+    """Padded (micro-batches of ``MICRO`` rows, and all rows as one micro-batch), packed
+    (``MICRO`` rows) and packed under a token ``budget`` (plus ``fillers``): the differences of
+    log-probs, metrics and gradients of both packed runs from the padded one, on this rank."""
     model, ref = policy_and_reference(ps)
-    runs = {name: _run(ps, model, ref, packing=packing, micro=micro, rows=rows)
-            for name, packing, micro in (("padded", False, MICRO), ("whole", False, 6), ("packed", True, MICRO))}
-    res = {"stage_has_head": ps.is_last_stage, "algos": {}}
+    runs = {name: _run(ps, model, ref, packing=packing, micro=micro, rows=rows, **kw)
+            for name, packing, micro, kw in (("padded", False, MICRO, {}), ("whole", False, 6, {}),
+                                             ("packed", True, MICRO, {}),
+                                             ("budget", True, MICRO, dict(budget=budget, fillers=fillers)))}
+    res = {"stage_has_head": ps.is_last_stage, "algos": {}, "micro_batches": runs["budget"]["micro_batches"]}
     if ps.is_last_stage:
         mask = runs["padded"]["mask"]
         for key in ("old", "ref"):
-            res[f"{key}_diff"] = max_abs_diff(runs["packed"][key][mask], runs["padded"][key][mask])
-            res[f"{key}_zero_elsewhere"] = bool((runs["packed"][key][~mask] == 0).all())
+            res[f"{key}_diff"] = worst(max_abs_diff(runs[r][key][mask], runs["padded"][key][mask])
+                                       for r in ("packed", "budget"))
+            res[f"{key}_zero_elsewhere"] = all(bool((runs[r][key][~mask] == 0).all()) for r in ("packed", "budget"))
         res["logp_scale"] = float(runs["padded"]["old"][mask].abs().max())
     for name in _algos():
-        pk, pd, wh = (runs[r][name] for r in ("packed", "padded", "whole"))
-        a = {"grad_diff": max_abs_diff_all(pk["grads"], pd["grads"]),
-             "grad_diff_whole": max_abs_diff_all(pk["grads"], wh["grads"]),
+        pk, bg, pd, wh = (runs[r][name] for r in ("packed", "budget", "padded", "whole"))
+        a = {"grad_diff": worst(max_abs_diff_all(x["grads"], pd["grads"]) for x in (pk, bg)),
+             "grad_diff_whole": worst(max_abs_diff_all(x["grads"], wh["grads"]) for x in (pk, bg)),
              "grad_scale": worst(float(x.abs().max()) for x in pd["grads"])}
         if ps.is_last_stage:
-            a["metric_diff"] = {k: abs(pk["metrics"][k] - v) for k, v in pd["metrics"].items()
-                                if k not in ("pad_frac", "grad_norm", "skipped")}
+            keys = [k for k in pd["metrics"] if k not in ("pad_frac", "tokens_per_micro_batch", "grad_norm", "skipped")]
+            a["metric_diff"] = {k: abs(pk["metrics"][k] - pd["metrics"][k]) for k in keys}
+            # other micro-batches: the float32 per-micro-batch metric means round differently
+            a["metric_rel_diff_budget"] = {k: abs(bg["metrics"][k] - pd["metrics"][k]) / max(abs(pd["metrics"][k]), 1.0)
+                                           for k in keys}
+            a["loss_diff_budget"] = abs(bg["metrics"]["loss"] - pd["metrics"]["loss"])
             a["loss"] = pd["metrics"]["loss"]
             a["pad_frac"] = (pk["metrics"]["pad_frac"], pd["metrics"]["pad_frac"])
+            a["tokens_per_micro_batch"] = {r: runs[r][name]["metrics"]["tokens_per_micro_batch"] for r in runs}
         res["algos"][name] = a
     return res
 
@@ -98,7 +118,9 @@ def packing_rank(rank, world) -> dict:
         mpu.destroy_model_parallel()
         ps = init_parallel(tp, pp, seed=11)
         rows = slice(3 * ps.dp_rank, 3 * ps.dp_rank + 3) if ps.dp > 1 else slice(0, 6)
-        res[name] = packed_paths(ps, rows)
+        # DP=2 under 8 tokens: rank 0's rows (5, 6, 3 tokens) fit 2 micro-batches, rank 1's
+        # (7, 3, 6) need 3, so the count must be agreed (rank 0 then runs 3)
+        res[name] = packed_paths(ps, rows, **(dict(budget=8, fillers=0) if ps.dp > 1 else {}))
     return res
 
 
@@ -114,7 +136,9 @@ def check_packed_equals_padded(r: dict) -> None:
         assert a["grad_diff"] <= GRAD_TOL, (name, a)
         assert a["grad_diff_whole"] <= GRAD_TOL, (name, a)
         if r["stage_has_head"]:
-            assert max(a["metric_diff"].values()) <= 1e-10, (name, a)
+            assert worst(a["metric_diff"].values()) <= 1e-10, (name, a)
+            assert worst(a["metric_rel_diff_budget"].values()) <= 1e-6, (name, a)
+            assert a["loss_diff_budget"] <= 1e-12, (name, a)
             assert abs(a["loss"]) > 1e-3, (name, a)
 
 
@@ -199,3 +223,51 @@ def test_pack_rows_restarts_positions_and_bounds_every_segment():
     assert pack_rows(b.tokens, b.seq_lens).pad == 0
     with pytest.raises(ValueError, match="seq_lens"):
         pack_rows(b.tokens, [0] + b.seq_lens[1:])
+
+
+def test_packing_token_budget_bins_every_row_once_under_the_budget():
+    """Guards the token-budget planner (``parallel.max_tokens_per_micro_batch``): a row lost or
+    trained twice by the reordering, a micro-batch over the budget while a row could move, a
+    row longer than the budget sharing its micro-batch, and more micro-batches than LPT needs."""
+    from grpo_mega.trainer.microbatches import bins_needed, cut, lpt_bins, plan_micro_batches
+    from tests.unit.trainer.test_batch import _batch
+
+    lens = [5, 6, 3, 7, 3, 6]
+    assert lpt_bins(lens, 3) == [[3, 4], [0, 1], [2, 5]]  # 10 / 11 / 9: longest first, lightest bin
+    assert bins_needed(lens, 30) == 1 and bins_needed(lens, 11) == 3 and bins_needed(lens, 10) == 4 and bins_needed([5, 6, 3], 8) == 2
+    b = _batch()
+    assert b.seq_lens == lens
+    out, sizes, order = plan_micro_batches(b, len(b), 2, max_tokens=6)
+    assert sorted(order) == list(range(6)) and out.seq_lens == [lens[i] for i in order]
+    assert torch.equal(out.tokens, b.tokens[order]) and torch.equal(out.loss_mask, b.loss_mask[order])
+    micro = cut(out, sizes)[0]
+    assert len(micro) == bins_needed(lens, 6) == 5
+    assert [mb.seq_lens for mb in micro if 7 in mb.seq_lens] == [[7]]  # over the budget: alone
+    assert all(mb.num_tokens <= 6 for mb in micro if 7 not in mb.seq_lens)
+    filler = cut(out, [sizes[0] + [0]])[0][-1]
+    assert filler.filler and filler.num_tokens == 0 and not filler.loss_mask.any()
+
+
+def test_packing_tokens_per_micro_batch_metric(tp1):
+    """Guards ``tokens_per_micro_batch``: the mean real tokens per micro-batch of the update
+    (30 tokens in 3 micro-batches of 2 rows; under 6 tokens, 5 micro-batches and a filler of 0)."""
+    for a in tp1["algos"].values():
+        t = a["tokens_per_micro_batch"]
+        assert t["padded"] == t["packed"] == pytest.approx(10.0) and t["whole"] == pytest.approx(30.0)
+        assert t["budget"] == pytest.approx(5.0)
+
+
+def test_packing_token_budget_below_the_longest_sequence_is_refused_naming_the_flag():
+    """Guards a token budget that cannot hold a full-length single-turn sequence (every such row
+    would run alone, over the budget the memory plan counts): refused at start-up naming
+    ``--parallel.max_tokens_per_micro_batch``; a budget that holds it frees the row count's
+    divisibility rule."""
+    from grpo_mega.config import ConfigError, load_config
+    from grpo_mega.preflight.validate import validate
+
+    base = ["--data.max_prompt_tokens=100", "--rollout.max_new_tokens=28", "--parallel.micro_batch_size=3"]
+    with pytest.raises(ConfigError, match=r"max_tokens_per_micro_batch=127 .* at least 128"):
+        validate(load_config(None, [*base, "--parallel.max_tokens_per_micro_batch=127"]), 1, check_hardware=False)
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        validate(load_config(None, base), 1, check_hardware=False)
+    validate(load_config(None, [*base, "--parallel.max_tokens_per_micro_batch=128"]), 1, check_hardware=False)
