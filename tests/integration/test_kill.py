@@ -1,14 +1,14 @@
-"""SIGKILL the whole job as a cluster does, at every phase of a step, then restart it.
+"""SIGKILL the whole job as a cluster does, at the phases of a step, then restart it.
 
     OMP_NUM_THREADS=1 python -m pytest -q -s tests/integration/test_kill.py
 
 A preemption, a cgroup OOM kill or a Slurm time limit kills torchrun and every rank at
-once, wherever they are. Each kill here freezes and SIGKILLs torchrun and all its
-descendants together (``lifeline.kill_tree_now``) while rank 0 or 1 holds at a named
-point (``GRPO_MEGA_FAULT=<point>:hold``) or at a random moment; the same command is then
-run again in the same run directory. The run must end with the weights of an
-uninterrupted run. The PP=2 x DP=2 case is in tests/integration/test_layouts.py, where it
-reuses that file's uninterrupted world-4 run.
+once, wherever they are. The kills here freeze and SIGKILL torchrun and all its
+descendants together (``lifeline.kill_tree_now``; once torchrun alone, whose ranks must
+stop by themselves) while rank 0 holds at a named point (``GRPO_MEGA_FAULT=<point>:hold``)
+or at a random moment; the same command is then run again in the same run directory. The
+run must end with the weights of an uninterrupted run. The PP=2 x DP=2 case is in
+tests/integration/test_layouts.py, where it reuses that file's uninterrupted world-4 run.
 """
 from __future__ import annotations
 
@@ -119,46 +119,42 @@ def test_kill_whole_tp2_job_at_every_phase_then_restart_resumes_to_uninterrupted
     killed: its ranks in their own sessions went on training), two writers in one run
     directory (a second job started on a live one must be refused, naming the holder), a
     checkpoint lost, changed or half-published by a kill mid-save or mid-rotation of
-    ``keep_last`` (step 1's must be bitwise unchanged after three kills that resumed from
-    it), and a resume that changes the trajectory. At TP=2, one run directory: the whole job
-    SIGKILLed mid-generation, mid-update (torchrun alone killed: ranks must stop by
-    themselves), mid-sync, mid-checkpoint, mid-rotation and at a random moment; each time
-    the same command restarts; the last run must end with the uninterrupted run's weights."""
+    ``keep_last`` (step 1's must be bitwise unchanged after a kill of a job that resumed
+    from it), and a resume that changes the trajectory. At TP=2, one run directory: mid-generation
+    a second job is refused, then torchrun alone is killed (its ranks must stop by
+    themselves, leaving what an abrupt death leaves); then the whole job is SIGKILLed
+    mid-checkpoint, mid-rotation and at a random moment; each time the same command
+    restarts; the last run must end with the uninterrupted run's weights. Whole-job kills
+    mid-update and mid-sync (one launch each, until 2026-11-28 also here) are in
+    tests/integration/test_async.py (both) and test_layouts.py (mid-sync, colocated
+    engines at PP=2 x DP=2), each resumed and checked there."""
     steps = 4
     straight, run = tmp_path / "straight", tmp_path / "killed"
     job = Job(_torchrun(straight, steps))
     assert job.finish() == 0, job.out[-4000:]
 
-    # mid-generation; meanwhile a second job on the same directory is refused
+    # mid-generation: a second job on the same directory is refused; then torchrun alone is
+    # killed, and its ranks must stop within seconds by themselves
     job = Job(_torchrun(run, steps), "rollout.generate:hold@0#2")
     job.wait_for("fault injected: hold at")
     holder = job.ranks()
+    assert len(holder) == 2, job.out[-3000:]
     intruder = subprocess.run(_cmd(run, steps=steps) + ["--data.eval_every=0"], env=ENV,
                               capture_output=True, text=True, timeout=300)
+    job.proc.kill()
+    gone, alive = psutil.wait_procs(holder, timeout=15)
     job.kill_all()
+    assert not alive, f"ranks {[p.pid for p in alive]} outlived their torchrun agent"
     said = intruder.stdout + intruder.stderr
     assert intruder.returncode != 0 and "is in use by another job (host " in said, said[-3000:]
     assert any(f"pid {p.pid}," in said for p in holder), said[-3000:]
     assert _latest(run) == "step_00000001"
     step1 = _weights(run / "checkpoints" / "step_00000001")
 
-    # mid-update, killing torchrun alone: its ranks must stop within seconds by themselves
-    job = Job(_torchrun(run, steps), "update:hold@1#2")
-    job.wait_for("fault injected: hold at")
-    ranks = job.ranks()
-    assert len(ranks) == 2, job.out[-3000:]
-    job.proc.kill()
-    gone, alive = psutil.wait_procs(ranks, timeout=15)
-    job.kill_all()
-    assert not alive, f"ranks {[p.pid for p in alive]} outlived their torchrun agent"
-
-    _hold_and_kill(run, steps, "bridge.sync:hold:1@0#2")  # mid-sync: the engine holds mixed weights
-    assert _latest(run) == "step_00000001"
-
     _hold_and_kill(run, steps, "checkpoint.save:hold@0#2")  # shards written, not published
     assert _latest(run) == "step_00000001" and (run / "checkpoints" / "step_00000002.tmp").is_dir()
     assert not (run / "checkpoints" / "step_00000002").exists()
-    # three kills and restarts later (each one resumed from it), step 1 is unchanged
+    # a restart from it and a kill later, step 1 is unchanged
     after = _weights(run / "checkpoints" / "step_00000001")
     assert set(after) == set(step1) and all(torch.equal(after[k], step1[k]) for k in step1)
 
