@@ -200,9 +200,10 @@ class Gateway:
             budget = self._budget(req, prompt, 0 if plan.restart else len(prompt) - len(ep.prompt_ids))
             ep.attempts += 1
             got = self._generate(Job(prompt, sampling, step, key, budget))
-            parsed, shown = self._reply(got, req)
-            closed = bool(got.ids) and got.ids[-1] == self.codec.eot_id  # else cut: length, a stop string
-            ep.commit(plan, got.ids, got.logprobs, parsed, shown, closed)
+            closed = bool(got.ids) and got.ids[-1] == self.codec.eot_id
+            stopped = not closed and got.finish == "stop" and isinstance(got.stop_reason, str)  # else cut: length
+            parsed, shown = self._reply(got, req, stopped)
+            ep.commit(plan, got.ids, got.logprobs, parsed, shown, closed, stopped)
             ep.sampling_overridden += overridden
             used = [getattr(sampling, k) for k in _SAMPLED]
             if used not in ep.sampling_used:
@@ -284,9 +285,11 @@ class Gateway:
             log.exception("gateway: generate failed")
             raise GatewayError(500, f"the engine failed: {type(e).__name__}: {e}", code="engine_error") from None
 
-    def _reply(self, got: Sampled, req: ChatRequest) -> tuple[Message, Message]:
+    def _reply(self, got: Sampled, req: ChatRequest, stopped: bool = False) -> tuple[Message, Message]:
         """The reply as the chat format renders it (``parsed``) and as the agent sees it
-        (``shown``, normalised like a message the agent sends back)."""
+        (``shown``, normalised like a message the agent sends back). A reply ``stopped`` by
+        a request's stop string is shown as the engine's text, which leaves the stop string
+        out (OpenAI's and vLLM's ``content``), its tool calls not parsed (the stop string cut it)."""
         try:
             parsed = dict(self.codec.parse(list(got.ids)))
         except Exception as e:  # noqa: BLE001 - a chat-format bug must not kill the server
@@ -301,9 +304,11 @@ class Gateway:
                           "function": {"name": fn["name"], "arguments": fn.get("arguments", {})}})
         if calls:
             parsed["tool_calls"] = calls
-        if req.tool_choice == "none":
+        if stopped:
+            shown: Message = {"role": "assistant", "content": got.text}
+        elif req.tool_choice == "none":
             # Like vLLM: the reply is not parsed for tool calls; the agent gets its whole text.
-            shown: Message = {"role": "assistant", "content": got.text or str(parsed.get("content") or "")}
+            shown = {"role": "assistant", "content": got.text or str(parsed.get("content") or "")}
         else:
             shown = {"role": "assistant", "content": str(parsed.get("content") or "")}
             if calls:

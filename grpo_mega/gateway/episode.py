@@ -21,10 +21,17 @@ Cut points (``_Mark``) make two more cases token-exact, by truncation:
 * a branch: new messages after an earlier assistant reply (the agent went back a few
   turns): the trajectory goes back to that reply.
 
+A reply ended by one of the request's stop strings (a ReAct agent's ``Observation:``) has
+no end-of-turn token: the agent gets its text without the stop string, as from OpenAI, and
+its next call continues after the reply's ids (the stop string's included, as sampled)
+with the end-of-turn token appended (mask 0, never trained on), then the delta: the ids
+are what the model produced and what the chat format puts between turns, though the text
+the agent sent back for that reply is shorter.
+
 The dropped model tokens are counted (``rewinds``, ``dropped_model_tokens``). Anything
-else, including a continuation of a reply that was cut by ``max_tokens`` or a stop string
-(the model never closed that turn, so no rendering of it matches its ids), is a
-:class:`Rewrite`; the gateway refuses it or restarts the trajectory (``on_rewrite``).
+else, including a continuation of a reply that was cut by ``max_tokens`` (the model never
+closed that turn, so no rendering of it matches its ids), is a :class:`Rewrite`; the
+gateway refuses it or restarts the trajectory (``on_rewrite``).
 """
 from __future__ import annotations
 
@@ -47,6 +54,7 @@ class _Mark:
     n_messages: int
     n_ids: int
     after_reply: bool  # True: right after a closed assistant reply; False: where a call began sampling
+    needs_eot: bool = False  # after a reply ended by a stop string: its delta starts with the end-of-turn token
 
 
 @dataclass
@@ -115,15 +123,16 @@ class Episode:
             if n > lcp:
                 continue
             if mark.after_reply and len(messages) > n:
+                close = [codec.eot_id] if mark.needs_eot else []
                 return Plan(messages, tools, restart=False, cut=mark,
-                            delta=list(codec.delta_ids(self.messages[:n], messages[n:], tools)))
+                            delta=close + list(codec.delta_ids(self.messages[:n], messages[n:], tools)))
             if not mark.after_reply and len(messages) == n:
                 return Plan(messages, tools, restart=False, cut=mark)
         if lcp == len(self.shown) and len(messages) == lcp:
             raise Rewrite("the messages end with the assistant's last reply and add nothing; append the "
                           "tool results or the user's next message")
         if lcp == len(self.shown) and not self.last_closed:
-            raise Rewrite("the episode's last reply was cut (finish_reason 'length', or a stop string) "
+            raise Rewrite("the episode's last reply was cut (finish_reason 'length') "
                           "and cannot be continued token-exactly: the model never closed that turn")
         if lcp < len(messages) and lcp < len(self.shown):
             where = f"messages[{lcp}] ({messages[lcp]['role']}) differs from the episode's"
@@ -137,8 +146,10 @@ class Episode:
 
     # -- committing ----------------------------------------------------------
     def commit(self, plan: Plan, ids: list[int], logprobs: list[float], parsed: Message, shown: Message,
-               closed: bool) -> None:
-        """Record a served call: the cut or restart, the delta, the model's ids, the reply."""
+               closed: bool, stopped: bool = False) -> None:
+        """Record a served call: the cut or restart, the delta, the model's ids, the reply.
+        ``closed``: the reply ends with the end-of-turn token; ``stopped``: it ended on a
+        request's stop string instead (continued after the end-of-turn token, appended)."""
         if len(ids) != len(logprobs):
             raise ValueError(f"the engine returned {len(ids)} ids and {len(logprobs)} log-probs")
         if plan.restart:
@@ -160,9 +171,9 @@ class Episode:
         self.cut.append(not closed)
         self.messages.append(parsed)
         self.shown.append(shown)
-        self.last_closed = closed
-        if closed:
-            self.marks.append(_Mark(len(self.messages), len(self.ids), after_reply=True))
+        self.last_closed = closed or stopped
+        if closed or stopped:
+            self.marks.append(_Mark(len(self.messages), len(self.ids), after_reply=True, needs_eot=not closed))
         self.calls += 1
         self.text = str(shown.get("content") or "")
 

@@ -225,3 +225,57 @@ def test_gateway_guide_example_runs(engine, scripted):
     assert len(batch) == 4 and batch.prompt_index == [0, 0, 1, 1]
     assert all(i["token_mismatch"] == 0 for i in batch.episode_info), batch.episode_info
     assert all(r in (0.0, 1.0) for r in batch.episode_rewards) and all(map(any, batch.response_mask))
+
+
+def _react(base_url: str, task: str, turns: int = 3):
+    """A ReAct-style agent: no tools in the API, a stop string ends each action; the
+    action's observation comes back as a user message. Returns (messages, stopped flags)."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    messages: list = [{"role": "user", "content": task}]
+    stopped = []
+    for _ in range(turns):
+        r = client.chat.completions.create(model="m", messages=messages, stop=["</tool_call>"], max_tokens=32)
+        choice = r.choices[0]
+        messages.append({"role": "assistant", "content": choice.message.content})
+        stopped.append("lookup" in (choice.message.content or ""))
+        messages.append({"role": "user", "content": "Observation: x = 42" if stopped[-1] else "Go on."})
+    return messages[:-1], stopped
+
+
+def test_gateway_stop_string_agent_continues_token_exactly(engine, scripted):
+    """Guards against a stop-sequence (ReAct) agent's next call being a 409 and against the
+    stop string in ``content`` (OpenAI and vLLM leave it out): each reply ended by the
+    agent's stop string comes back without it, the next call continues after the reply's
+    sampled ids (the stop string's included) with the end-of-turn token appended outside the
+    mask, then the chat format's delta; the recorded ids are exactly that."""
+    _, script, codec = scripted
+    gw, spy = make_gateway(engine, scripted)
+    with gw.serve() as server:
+        ids = [gw.open_episode(prompt_index=0, key=k) for k in range(3)]
+        played = [_react(server.base_url(i), f"task {k}") for k, i in enumerate(ids)]
+        batch = gw.collect(ids, group_size=3, default_reward=0.0)
+    continued = 0
+    for k, (messages, stopped) in enumerate(played):
+        replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        seq = list(codec.first_ids(messages[:1], []))
+        prompt_len, mask = len(seq), []
+        for j, at in enumerate(replies):
+            m = messages[at]
+            if j:
+                prev = replies[j - 1]
+                close = [script.im_end] if stopped[j - 1] else []
+                delta = close + codec.delta_ids(to_dicts(messages[:prev + 1]), to_dicts(messages[prev + 1:at]), [])
+                seq, mask = seq + delta, mask + [0] * len(delta)
+                continued += bool(close)
+            r = [r for p, r, _ in spy.turns() if p == seq]
+            assert len(r) == 1, f"episode {k} reply {j}: {len(r)} engine calls continued the expected ids"
+            seq, mask = seq + r[0], mask + [1] * len(r[0])
+            if stopped[j]:
+                assert r[0][-1] == script.call and "</tool_call>" not in m["content"] and m["content"], m
+        assert batch.prompt_ids[k] == seq[:prompt_len] and batch.response_ids[k] == seq[prompt_len:]
+        assert batch.response_mask[k] == mask
+        assert batch.episode_info[k]["token_mismatch"] == 0, batch.episode_info[k]["problems"]
+        assert batch.episode_info[k]["calls"] == len(replies) == 3
+    assert continued, "no reply ended on the stop string and was continued; the test proves less"
