@@ -174,9 +174,22 @@ def derive_layout(cfg: Config, world: int, gpus_per_node: int = 8) -> Layout:
     dp = derived_dp(cfg, world)
     samples = d.prompts_per_step * r.n
     mini = d.mini_batch_size or samples
+    seq = d.max_prompt_tokens + r.max_new_tokens
+    # under a token budget, the most micro-batches: every row at full length
+    rows = max(p.max_tokens_per_micro_batch // seq, 1) if p.max_tokens_per_micro_batch else p.micro_batch_size
     return Layout(world=world, tp=p.tp, pp=p.pp, dp=dp, gpus_per_node=gpus_per_node,
-                  seq_len=d.max_prompt_tokens + r.max_new_tokens, samples_per_step=samples,
-                  mini_batch=mini, micro_batches=max(mini // (dp * p.micro_batch_size), 1), ep=p.ep)
+                  seq_len=seq, samples_per_step=samples,
+                  mini_batch=mini, micro_batches=max(-(-mini // dp) // rows, 1), ep=p.ep)
+
+
+def micro_batch_tokens(cfg: Config, layout: Layout) -> tuple[int, str]:
+    """(the most tokens a micro-batch computes, what bounds it): the token budget
+    (``parallel.max_tokens_per_micro_batch``), else rows x the longest sequence (packed or not:
+    a micro-batch of full-length rows has no padding to drop)."""
+    p = cfg.parallel
+    if p.max_tokens_per_micro_batch:
+        return p.max_tokens_per_micro_batch, f"of {p.max_tokens_per_micro_batch}"
+    return p.micro_batch_size * layout.seq_len, f"{p.micro_batch_size} x {layout.seq_len}"
 
 
 def moe_activation_elements(m: ModelConfig, tp: int) -> float:
@@ -261,11 +274,11 @@ def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = GPU_GIB) -> Budg
 
     hd = head_dim(m)
     inflight = min(pp, layout.micro_batches)
-    tokens = p.micro_batch_size * layout.seq_len
+    tokens, how = micro_batch_tokens(cfg, layout)
     act = activation_bytes(m, tp, pp, inflight) * wb * tokens
     b.trainer.append(Row("activations", act / GiB, resident=False, note=
-                         f"mbs {p.micro_batch_size} x seq {layout.seq_len} x {m.num_layers // pp} "
-                         f"layers x {inflight} in flight, recompute {m.recompute}"
+                         f"micro-batch {how} tokens{', packed' * p.packing} x {m.num_layers // pp} layers x "
+                         f"{inflight} in flight, recompute {m.recompute}"
                          + (", sequence parallel" if m.sequence_parallel and tp > 1 else "")))
     vpad = padded_vocab(m.vocab_size, tp, m.make_vocab_size_divisible_by)
     logits = tokens * vpad / tp * (wb + 12)
@@ -337,7 +350,8 @@ def report(cfg: Config, layout: Layout, budget: Budget, source: str = "") -> str
         f"batch: {cfg.data.prompts_per_step} prompts x n {r.n} = {layout.samples_per_step} samples/step; "
         f"mini-batch {layout.mini_batch} -> {layout.samples_per_step // layout.mini_batch} optimizer "
         f"step(s) x {cfg.algorithm.ppo_epochs} epoch(s); per DP rank {layout.micro_batches} "
-        f"micro-batch(es) of {p.micro_batch_size}; seq {layout.seq_len}; "
+        f"micro-batch(es) {micro_batch_tokens(cfg, layout)[1]} tokens{', packed' * p.packing}; "
+        f"seq {layout.seq_len}; "
         f"pipeline bubble {layout.bubble:.1%}",
         (f"rollout engines: separate, {r.engines} process(es) on their own GPU(s) (the engine rows below are "
          f"each engine GPU's; the trainer's GPUs hold none), max_model_len {r.max_model_len}, "
@@ -384,7 +398,7 @@ def budget_paragraph(cfg: Config, layout: Layout, b: Budget) -> str:
         f"give {m.dtype} weights {g['policy weights']:.2f} GiB, fp32 gradients "
         f"{g['gradients']:.2f}, Adam states with fp32 master {g['optimizer']:.2f} ({shard}), "
         f"reference copy {g['reference weights']:.2f}; training adds activations "
-        f"{g['activations']:.2f} (micro-batch {p.micro_batch_size} x {layout.seq_len} tokens x "
+        f"{g['activations']:.2f} (micro-batch {micro_batch_tokens(cfg, layout)[1]} tokens x "
         f"{m.num_layers // layout.pp} layers x {min(layout.pp, layout.micro_batches)} in flight, "
         f"{recompute}) and logits {g['logits']:.2f}. The colocated vLLM engine gets "
         f"{g['engine share']:.2f} GiB ({r.gpu_memory_utilization:g} of the GPU): weights "

@@ -120,3 +120,28 @@ def test_dense_activation_estimate_matches_the_tensors_megatron_saves(tiny_dense
     row = memory_budget(cfg, layout).row("activations") * GiB
     expected = (alpha - 4 * local_extras * LAYERS) * cfg.parallel.micro_batch_size * layout.seq_len
     assert row == pytest.approx(expected, rel=1e-12), (row, expected)
+
+
+def test_packing_budget_counts_activations_from_the_token_budget():
+    """Guards the memory budget under ``parallel.max_tokens_per_micro_batch``: activations and
+    logits counted for ``micro_batch_size`` full-length rows instead of the token budget a
+    packed micro-batch holds, and the micro-batches in flight (1F1B) from the row count, not
+    from the most micro-batches the budget can make (every row at full length); the
+    ``--check-config`` report names the budget."""
+    from grpo_mega.config import load_config
+    from grpo_mega.preflight import budget as B
+
+    base = ["--parallel.pp=2", "--parallel.micro_batch_size=64", "--data.max_prompt_tokens=100",
+            "--rollout.max_new_tokens=28", "--data.prompts_per_step=8", "--rollout.n=8"]
+    rows = load_config(None, base)
+    packed = load_config(None, [*base, "--parallel.packing=true", "--parallel.max_tokens_per_micro_batch=300"])
+    lr, lp = B.derive_layout(rows, 2), B.derive_layout(packed, 2)
+    assert (lr.micro_batches, lp.micro_batches) == (1, 32)  # 64 rows per rank; 300 // 128 = 2 rows each
+    br, bp = B.memory_budget(rows, lr), B.memory_budget(packed, lp)
+    m = packed.model
+    per_token = B.activation_bytes(m, 1, 2, 2) * B._BYTES[m.dtype]
+    assert bp.row("activations") == pytest.approx(per_token * 300 / B.GiB)
+    assert br.row("activations") == pytest.approx(B.activation_bytes(m, 1, 2, 1) * B._BYTES[m.dtype] * 64 * 128 / B.GiB)
+    assert bp.row("logits") == pytest.approx(br.row("logits") * 300 / (64 * 128))
+    text = B.report(packed, lp, bp)
+    assert "micro-batch(es) of 300 tokens, packed" in text and "micro-batch of 300 tokens, packed" in text
