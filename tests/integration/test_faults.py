@@ -118,10 +118,11 @@ def test_fault_on_one_of_two_ranks_stops_every_rank_with_one_message_then_resume
     cause, when one rank fails. Two ranks at TP=2 (rank 0 scores rewards for both) under
     torchrun: rank 1 SIGKILLed as step 2 starts must bring the whole job down (torchrun
     names the lost rank) with the step-1 checkpoint intact (named by ``latest``, its
-    metadata, both ranks' state files and loadable weights: not only the pointer); a reward
-    error on rank 0 in step 2 must stop both ranks at once with the same message naming the
-    cause and rank 0, and leave that checkpoint unchanged;
-    the same command then resumes from step 1 and finishes."""
+    metadata, both ranks' state files and loadable weights: not only the pointer); the same
+    command then resumes from step 1, and a reward error on rank 0 in its step 2 must stop
+    both ranks at once with the same message naming the cause and rank 0, and leave that
+    checkpoint unchanged. (Until 2026-11-28 a third launch then ran step 2 to the end: a
+    restart that runs to the end after kills is test_kill.py's.)"""
     run = tmp_path / "tp2"
     rc, out, seconds = _torchrun(run, 2, "step:kill@1#2")
     assert rc != 0, out[-3000:]
@@ -131,6 +132,7 @@ def test_fault_on_one_of_two_ranks_stops_every_rank_with_one_message_then_resume
 
     rc, out, seconds = _torchrun(run, 2, "reward.score:raise@0#2")
     assert rc != 0, out[-3000:]
+    assert "resuming from" in out and "step_00000001" in out, out[-3000:]
     failed = sorted(line for line in out.splitlines() if "FAILED:" in line and line.startswith("[grpo]"))
     cause = ("RemoteError: reward scoring failed on rank 0: FaultInjected: fault injected at "
              "reward.score (rank 0, step 2) by GRPO_MEGA_FAULT")
@@ -138,8 +140,3 @@ def test_fault_on_one_of_two_ranks_stops_every_rank_with_one_message_then_resume
     assert seconds < 60  # not the collective timeout
     after = _intact(run, 1, ranks=2)
     assert set(after) == set(step1) and all(torch.equal(after[k], step1[k]) for k in step1)
-
-    rc, out, _ = _torchrun(run, 2, None)
-    assert rc == 0, out[-3000:]
-    assert "resuming from" in out and "step_00000001" in out
-    assert _latest(run) == "step_00000002"
