@@ -44,6 +44,25 @@ def test_reward_png_has_a_panel_of_seconds_per_stage(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text()) == {"steps": 3}
 
 
+def test_tensorboard_events_hold_each_step_scalars_under_their_tags(tmp_path):
+    """Guards against TensorBoard curves that differ from metrics.jsonl: a scalar under the
+    wrong step or value, a metric left out, or a non-number logged (the sink writes one
+    event per step with every scalar, read back here with TensorBoard's own reader)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    sink = MetricsSink(str(tmp_path), tensorboard=True, total_steps=3)
+    rows = {1: {"reward_mean": 0.125, "time/rollout": 0.75, "skipped": 0, "note": "x"},
+            3: {"reward_mean": -2.5, "time/rollout": 0.5, "skipped": 1, "note": "y"}}
+    for step, m in rows.items():
+        sink.log(step, m, console=False)
+    sink.tb.close()  # flushed; finish() would also draw reward.png
+    acc = EventAccumulator(str(tmp_path / "tensorboard")).Reload()
+    got = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    assert got == {k: [(step, float(m[k])) for step, m in rows.items()]
+                   for k in ("reward_mean", "time/rollout", "skipped")}
+
+
 def test_bar_metrics_show_reward_kl_and_seconds_per_step():
     """Guards against a progress bar whose live metrics are missing or wrong (seconds per
     step not the sum of the stage timers)."""
