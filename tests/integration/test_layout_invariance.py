@@ -15,6 +15,9 @@ re-initialising megatron's groups between layouts), twice per layout:
   (reference and old-policy passes) and ``stages.update``: two mini-batches, so the second
   step's ratio is not 1 and its clip fractions are not 0, and each optimizer step must see
   the same prompts at every DP size, with a gradient-norm clip that fires on both steps.
+  Every layout but TP1 runs it packed (``parallel.packing``) under a token budget
+  (``parallel.max_tokens_per_micro_batch``): the layout-invariance guarantee with packing on,
+  against TP1's padded micro-batches of a row count.
 
 Guarantee (fp32), in a form that holds on every host: the reduced gradients equal TP1's
 within 1e-5 of their scale, the metrics within relative 1e-5, and the weights within the
@@ -50,13 +53,14 @@ LR = 1e-3
 # PPO epoch (the mini-batch deal is what a DP layout could get wrong: before prompt_slice
 # dealt each mini-batch, DP=2's first step saw other prompts than DP=1's, loss 1.57 vs 2.05).
 Q3_LR, Q3_EPS, Q3_CLIP, Q3_MINIS = 2e-2, 1e-6, 0.3, 2
+Q3_TOKENS = 100  # token budget per micro-batch of the packed layouts (the demo's rows: <= 13 tokens)
 
 
 def _name(tp, pp, dp):
     return "x".join(f"{k}{v}" for k, v in (("tp", tp), ("pp", pp), ("dp", dp)) if v > 1) or "tp1"
 
 
-def _dealt_by_the_trainer(whole, n, dp, dp_rank, pad_id, pad_multiple, device, mini_batches):
+def _dealt_by_the_trainer(whole, n, dp, dp_rank, pad_id, pad_multiple, device, mini_batches, packing):
     """This replica's rows of the recorded whole batch, cut the way the trainer cuts a step's
     rollouts (``rollout.layout.prompt_slice``: its share of each of ``mini_batches`` blocks,
     whole prompt groups of ``n``) and packed by
@@ -80,7 +84,7 @@ def _dealt_by_the_trainer(whole, n, dp, dp_rank, pad_id, pad_multiple, device, m
     keep = set(mine.prompt_index)
     adv = whole.advantages[[i for i in range(rows) if rb.prompt_index[i] in keep]]
     return TrainingBatch.pack(mine.prompt_ids, mine.response_ids, mine.logprobs, adv, pad_id=pad_id,
-                              device=device, pad_to_multiple=pad_multiple)
+                              device=device, pad_to_multiple=pad_multiple, packing=packing)
 
 
 def _surrogate_replay(ps, q3_dir, q3_ref_dir, batch_path, recording_cls):
@@ -102,7 +106,11 @@ def _surrogate_replay(ps, q3_dir, q3_ref_dir, batch_path, recording_cls):
     from grpo_mega.trainer.trainer import Trainer
 
     whole = TrainingBatch.load(batch_path)
-    cfg = load_config(str(CONFIG), [f"--parallel.tp={ps.tp}", f"--parallel.pp={ps.pp}",
+    # every layout but TP1 packed under a token budget: the same update as TP1's padded one
+    packed = ps.world_size > 1
+    cfg = load_config(str(CONFIG), [f"--parallel.packing={str(packed).lower()}",
+                                    f"--parallel.max_tokens_per_micro_batch={Q3_TOKENS if packed else 0}",
+                                    f"--parallel.tp={ps.tp}", f"--parallel.pp={ps.pp}",
                                     f"--parallel.micro_batch_size={MICRO // ps.dp}",
                                     f"--data.mini_batch_size={len(whole) // Q3_MINIS}", "--algorithm.kl_coef=0.5",
                                     f"--optimizer.lr={Q3_LR}", f"--optimizer.eps={Q3_EPS}",
@@ -119,9 +127,10 @@ def _surrogate_replay(ps, q3_dir, q3_ref_dir, batch_path, recording_cls):
     assert len(whole) == cfg.data.prompts_per_step * cfg.rollout.n, "the recording is one step of this config"
     batch = _dealt_by_the_trainer(whole, cfg.rollout.n, ps.dp, ps.dp_rank, pad_id=3,
                                   pad_multiple=seq_multiple(cfg.model, ps.tp), device=ps.device,
-                                  mini_batches=mini_batches_per_step(cfg))
+                                  mini_batches=mini_batches_per_step(cfg), packing=cfg.parallel.packing)
     plan = stages.logprobs(t, batch)
     assert plan.off_policy and len(plan.minis) == Q3_MINIS, (plan.off_policy, len(plan.minis))
+    assert all(mb.packed is not None for mb in plan.flat) == packed, "packed where asked, padded at TP1"
     metrics = stages.update(t, plan)
     weights = canonical_state_dict(model, ps, cfg.model.num_layers, cfg.model.vocab_size)
     return model, metrics, weights, opt.history, before
