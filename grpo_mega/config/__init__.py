@@ -176,6 +176,12 @@ class EnvConfig:
     the turn budget ran out); null drops the episode's group from training instead."""
 
 
+    scheduling: str = "lockstep"
+    """``lockstep``: one generate call per turn for every active episode, then that turn's
+    environment steps. ``async``: each episode's next turn is queued as soon as its tool
+    answered, tool calls overlapping generation (vLLM stepped one step at a time; same
+    seeds and trajectories); a job of one process only (the in-process engine). Faster
+    with slow or skewed tools, about even without (docs/evidence/benchmarks-2026-11.md)."""
 @dataclass
 class AlgorithmConfig:
     logprob_kernel: str = "auto"

@@ -29,8 +29,9 @@ CHOICES = {
     ("rollout", "engine_mode"): ("auto", "external_launcher", "child", "inprocess"),
     ("rollout", "model_runner"): ("v1", "v2", "auto"),
     ("reward", "on_error"): ("stop", "zero"),
-    ("algorithm", "logprob_kernel"): ("auto", "torch", "triton"),
     ("algorithm", "tis_mode"): ("auto", "clamp", "mask", "off"),
+    ("env", "scheduling"): ("lockstep", "async"),
+    ("algorithm", "logprob_kernel"): ("auto", "torch", "triton"),
     ("checkpoint", "resume"): ("auto", "must", "never"),
     ("checkpoint", "export_hf"): ("never", "end", "checkpoints"),
 }
@@ -109,7 +110,7 @@ def _check_rewards(cfg: Config) -> None:
 from grpo_mega.preflight.env_budget import check_env_budget  # noqa: E402
 
 
-def _check_env(cfg: Config) -> None:
+def _check_env(cfg: Config, world_size: Optional[int] = None) -> None:
     """A multi-turn environment resolves and takes its kwargs; its limits are sane."""
     e = cfg.env
     if not e.name:
@@ -130,6 +131,9 @@ def _check_env(cfg: Config) -> None:
         raise ConfigError(f"rollout.stop={cfg.rollout.stop} with env.name={e.name!r}: a turn ended by a stop "
                           "string has no end-of-turn token, yet the environment's reply would follow it; "
                           "episodes end turns at the chat template's end-of-turn token (--rollout.stop=[])")
+    if e.scheduling == "async" and ((world_size or 1) > 1 or cfg.rollout.engine_mode not in ("auto", "inprocess")):
+        raise ConfigError(f"env.scheduling=async steps the in-process engine of a one-process job, not {world_size} "
+                          f"process(es) with rollout.engine_mode={cfg.rollout.engine_mode!r} (--env.scheduling=lockstep)")
     if e.step_timeout_seconds is not None and not e.step_timeout_seconds > 0:
         raise ConfigError(f"env.step_timeout_seconds={e.step_timeout_seconds} must be > 0 or null "
                           "(--env.step_timeout_seconds)")
@@ -364,7 +368,7 @@ def validate(cfg: Config, world_size: Optional[int] = None, *, check_hardware: b
         raise ConfigError(f"model.ffn_hidden_size={m.ffn_hidden_size} is not divisible by parallel.tp={p.tp}")
     _check_moe(cfg)
     _check_rewards(cfg)
-    _check_env(cfg)
+    _check_env(cfg, world_size)
     check_placement(cfg)
     if a.advantage == "process" and a.dynamic_sampling:
         # DAPO's filter judges a group by one reward per sample; a group whose samples

@@ -158,6 +158,17 @@ class _Episode:
         self.segments.append((kind, list(ids)))
 
 
+def turn_sampling(sampling: SamplingConfig, codec: TurnCodec) -> SamplingConfig:
+    """One sample per request, stopping at the template's end-of-turn token; stop strings
+    refused (a turn cut at one has no end-of-turn token before the environment's reply)."""
+    if sampling.stop:
+        raise ValueError(f"stop strings {list(sampling.stop)} with an environment: a turn cut at one has no "
+                         "end-of-turn token, yet the environment's reply would follow it; episodes end turns "
+                         "at the template's end-of-turn token already (--rollout.stop=[])")
+    return dataclasses.replace(sampling, n=1, stop_token_ids=tuple(sorted({*sampling.stop_token_ids,
+                                                                          codec.eot_id})))
+
+
 def _local_share(fn: Callable[[], Any]) -> Any:
     return fn()
 
@@ -180,13 +191,7 @@ def run_episodes(generate: Callable[..., RolloutBatch], codec: TurnCodec, make_e
         together (vLLM's data-parallel external launcher); None when each replica is free.
         A replica with nothing left then samples ``dummy_ids`` for one token, discarded.
     """
-    if sampling.stop:
-        raise ValueError(f"stop strings {list(sampling.stop)} with an environment: a turn cut at one has no "
-                         "end-of-turn token, yet the environment's reply would follow it; episodes end turns "
-                         "at the template's end-of-turn token already (--rollout.stop=[])")
-    g = sampling.n
-    one = dataclasses.replace(sampling, n=1, stop_token_ids=tuple(sorted({*sampling.stop_token_ids,
-                                                                           codec.eot_id})))
+    g, one = sampling.n, turn_sampling(sampling, codec)
     envs: dict[int, Environment] = {}
 
     def reset_all() -> list[tuple[list[Message], list[dict]]]:
@@ -232,11 +237,11 @@ def _sample_turn(generate, codec: TurnCodec, one: SamplingConfig, limits: Episod
     others end, finish "length"); a replica with none samples a discarded dummy token."""
     runnable = []
     for e in active:
-        room = min(limits.max_tokens - len(e.ids), limits.max_model_len - len(e.prompt_ids) - len(e.ids))
-        if room < 1:
+        left = room(e, limits)
+        if left < 1:
             e.finish = "length"
         else:
-            runnable.append((e, min(room, one.max_new_tokens)))
+            runnable.append((e, min(left, one.max_new_tokens)))
     if not runnable:
         if dummy_ids:
             generate([dummy_ids], one, step=step, keys=[0], budgets=[1])
@@ -255,16 +260,7 @@ def _apply_turn(codec: TurnCodec, active: list[_Episode], samples: dict, limits:
     and append their replies' ids where the episode goes on."""
     sampled = [e for e in active if e.key in samples]
     for e in sampled:
-        ids, lps, finish = samples[e.key]
-        e.add("model", ids, lps)
-        e.turns += 1
-        msg = codec.parse(ids)
-        e.messages.append(msg)
-        e.text = str(msg.get("content") or "")
-        e.tool_calls += len(msg.get("tool_calls") or [])
-        e.cut.append(finish == "length")
-        if finish == "length":
-            e.finish = "length"  # a cut turn is not an answer nor a call: not shown to the env
+        take_turn(codec, e, *samples[e.key])
     answered = [e for e in sampled if e.finish is None]
     if not answered:
         return
@@ -273,21 +269,55 @@ def _apply_turn(codec: TurnCodec, active: list[_Episode], samples: dict, limits:
         return step_envs([(envs[e.key], e.messages[-1]) for e in answered], limits, turn)
 
     for e, r in zip(answered, share(step_all)):
-        e.reward += r["reward"]
-        e.tool_errors += r["tool_errors"]
-        if r["error"] is not None:
-            e.finish, e.error = "error", r["error"]
-        elif r["done"]:
-            e.finish = "stop"
-        elif turn + 1 >= limits.max_turns:
-            e.finish = "turns"
+        take_reply(codec, e, r, limits)
+
+
+def room(e: _Episode, limits: EpisodeLimits) -> int:
+    """Tokens the episode's next turn may take: its token budget and the engine's context."""
+    return min(limits.max_tokens - len(e.ids), limits.max_model_len - len(e.prompt_ids) - len(e.ids))
+
+
+def take_turn(codec: TurnCodec, e: _Episode, ids: list[int], lps: list[float], finish: str) -> None:
+    """Append one sampled turn to its episode and parse it into the conversation."""
+    e.add("model", ids, lps)
+    e.turns += 1
+    msg = codec.parse(ids)
+    e.messages.append(msg)
+    e.text = str(msg.get("content") or "")
+    e.tool_calls += len(msg.get("tool_calls") or [])
+    e.cut.append(finish == "length")
+    if finish == "length":
+        e.finish = "length"  # a cut turn is not an answer nor a call: not shown to the env
+
+
+def take_reply(codec: TurnCodec, e: _Episode, r: dict, limits: EpisodeLimits) -> None:
+    """The environment's answer (``step_one``'s result) to the episode's last turn: its
+    reward, and the episode's end or the reply's ids appended for the next turn."""
+    e.reward += r["reward"]
+    e.tool_errors += r["tool_errors"]
+    if r["error"] is not None:
+        e.finish, e.error = "error", r["error"]
+    elif r["done"]:
+        e.finish = "stop"
+    elif e.turns >= limits.max_turns:
+        e.finish = "turns"
+    else:
+        delta = codec.delta_ids(e.messages, r["messages"], e.tools)
+        if len(e.ids) + len(delta) >= min(limits.max_tokens, limits.max_model_len - len(e.prompt_ids)):
+            e.finish = "length"  # no room left for the model to answer the reply
         else:
-            delta = codec.delta_ids(e.messages, r["messages"], e.tools)
-            if len(e.ids) + len(delta) >= min(limits.max_tokens, limits.max_model_len - len(e.prompt_ids)):
-                e.finish = "length"  # no room left for the model to answer the reply
-            else:
-                e.messages.extend(r["messages"])
-                e.add("env", delta)
+            e.messages.extend(r["messages"])
+            e.add("env", delta)
+
+
+def step_one(env: Environment, message: Message) -> dict:
+    """``env.step(message)`` as a plain result; an exception is the episode's error, not the run's."""
+    try:
+        r = env.step(message)
+        return {"messages": list(r.messages), "reward": float(r.reward), "done": bool(r.done),
+                "tool_errors": int((r.info or {}).get("tool_errors", 0)), "error": None}
+    except Exception as err:  # noqa: BLE001 - one environment's failure ends its episode only
+        return _failed(f"env.step raised {type(err).__name__}: {err}")
 
 
 def step_envs(work: list[tuple[Environment, Message]], limits: EpisodeLimits, turn: int) -> list[dict]:
@@ -304,13 +334,7 @@ def step_envs(work: list[tuple[Environment, Message]], limits: EpisodeLimits, tu
 
     def one(i: int) -> dict:
         started[i] = time.monotonic()
-        env, message = work[i]
-        try:
-            r = env.step(message)
-            return {"messages": list(r.messages), "reward": float(r.reward), "done": bool(r.done),
-                    "tool_errors": int((r.info or {}).get("tool_errors", 0)), "error": None}
-        except Exception as err:  # noqa: BLE001 - one environment's failure ends its episode only
-            return _failed(f"env.step raised {type(err).__name__}: {err}")
+        return step_one(*work[i])
 
     budget, timeout = limits.env_budget_seconds, limits.step_timeout_seconds
     deadline = None if budget is None else time.monotonic() + budget
@@ -399,12 +423,15 @@ def _to_batch(codec: TurnCodec, episodes: list[_Episode], g: int, seconds: float
 def generate_episodes(engine, global_rows: Sequence[dict], codec: TurnCodec, make_env: Callable[[], Environment],
                       sampling: SamplingConfig, limits: EpisodeLimits, *, step: int, to_rank: int = 0,
                       to_size: int = 1, share: Callable[[Callable[[], Any]], Any] = _local_share,
-                      any_active: Optional[Callable[[bool], bool]] = None, mini_batches: int = 1) -> RolloutBatch:
+                      any_active: Optional[Callable[[bool], bool]] = None, mini_batches: int = 1,
+                      scheduling: str = "lockstep") -> RolloutBatch:
     """The episodes of share ``to_rank`` of ``to_size`` of the global rows (a trainer DP
     replica's share of each of ``mini_batches`` blocks, ``prompt_slice``), whatever the engine layout: like ``RolloutEngine.generate_resharded``,
     each engine replica plays its own slice of the rows, and the episodes are gathered and
     cut anew. Collective over the world. ``share``/``any_active``: see :func:`run_episodes`
-    (the trainer passes collectives over the engine replica and over the world)."""
+    (the trainer passes collectives over the engine replica and over the world).
+    ``scheduling``: ``lockstep`` (:func:`run_episodes`) or ``async``
+    (``multi_turn_async.run_episodes_async``, an in-process engine of a one-rank replica only)."""
     from grpo_mega.data import shard_for_replica
     from grpo_mega.rollout.engine import _dist_world
     from grpo_mega.rollout.layout import gather_global, prompt_slice
@@ -419,9 +446,18 @@ def generate_episodes(engine, global_rows: Sequence[dict], codec: TurnCodec, mak
         return engine.generate(prompts, s, step=step, keys=keys, budgets=budgets)
 
     lockstep = any_active if engine.lockstep else None
-    dummy = codec.first_ids([{"role": "user", "content": "hi"}], []) if lockstep else None
-    batch = run_episodes(generate, codec, make_env, mine, sampling, limits, step=step, offset=offset,
-                         share=share, any_active=lockstep, dummy_ids=dummy)
+    if scheduling == "async":
+        from grpo_mega.rollout.multi_turn_async import StepperTurns, run_episodes_async
+
+        if engine.mode != "inprocess" or lockstep is not None:
+            raise ValueError(f"env.scheduling=async steps an in-process engine alone; this one is "
+                             f"{engine.mode!r} (--env.scheduling=lockstep)")
+        batch = run_episodes_async(StepperTurns(engine), codec, make_env, mine, sampling, limits, step=step,
+                                   offset=offset)
+    else:
+        dummy = codec.first_ids([{"role": "user", "content": "hi"}], []) if lockstep else None
+        batch = run_episodes(generate, codec, make_env, mine, sampling, limits, step=step, offset=offset,
+                             share=share, any_active=lockstep, dummy_ids=dummy)
     rank, world = _dist_world()
     if world == 1:
         return prompt_slice(batch, len(global_rows), to_rank, to_size, mini_batches)

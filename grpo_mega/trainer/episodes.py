@@ -68,7 +68,8 @@ def play(t, prompts: list, step: int, sampling=None, mini_batches: int = 1) -> A
     t.engine.resume()
     return generate_episodes(engine, rows, setup.codec, setup.make_env, sampling or engine.sampling,
                              setup.limits, step=step, to_rank=t.ps.dp_rank, to_size=t.ps.dp,
-                             share=share, any_active=any_active, mini_batches=mini_batches)
+                             share=share, any_active=any_active, mini_batches=mini_batches,
+                             scheduling=t.cfg.env.scheduling)
 
 
 def episode_stats(batch) -> list[float]:
