@@ -49,12 +49,13 @@ class ParallelConfig:
     single-turn sequence, ``data.max_prompt_tokens + rollout.max_new_tokens`` (refused at
     start-up otherwise); a longer multi-turn episode runs alone. Same update as a row count
     (global normalisers). See docs/guides/packing.md."""
-    packing: bool = False
+    packing: bool = True
     """Run each micro-batch packed (THD): its sequences back to back with no padding between
     them, attention kept within each sequence and RoPE positions restarting per sequence,
     instead of every row padded to the micro-batch's longest. Same rows per micro-batch, same
-    loss and normalisers: the update equals the padded one (fp64 tests). Metric ``pad_frac``
-    shows the padding either way. See docs/guides/packing.md."""
+    loss and normalisers: the update equals the padded one (fp64 tests), so it is on by
+    default; ``false`` pads (for comparisons). Metric ``pad_frac`` shows the padding either
+    way. See docs/guides/packing.md."""
     timeout_minutes: float = 10.0
     """Collective timeout, so a dead rank makes the others fail instead of hanging."""
     seed: int = 1234

@@ -271,3 +271,21 @@ def test_packing_token_budget_below_the_longest_sequence_is_refused_naming_the_f
     with pytest.raises(ConfigError, match="micro_batch_size"):
         validate(load_config(None, base), 1, check_hardware=False)
     validate(load_config(None, [*base, "--parallel.max_tokens_per_micro_batch=128"]), 1, check_hardware=False)
+
+
+def test_packing_is_on_by_default_and_in_every_shipped_config():
+    """Guards packing left off where it is exact: the default config and every shipped config
+    (``grpo_mega/configs``, ``launch/configs``) pack their micro-batches, and the scale configs
+    bin them under a token budget that holds their longest sequence."""
+    from grpo_mega.config import ParallelConfig, load_config
+    from tests import REPO
+
+    assert ParallelConfig().packing
+    shipped = sorted((REPO / "grpo_mega" / "configs").glob("*.yaml")) + sorted((REPO / "launch" / "configs").glob("*.yaml"))
+    assert len(shipped) >= 7
+    for path in shipped:
+        cfg = load_config(str(path), [])
+        assert cfg.parallel.packing, path
+        if path.parent.name == "launch":
+            longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+            assert cfg.parallel.max_tokens_per_micro_batch >= longest, path
