@@ -15,9 +15,12 @@ Runs (pick with --runs):
   sync-w1       colocated, one process (the engine and the trainer take turns on one core)
   sync-dp2      colocated, torchrun world 2 = DP 2, an engine in each rank (both cores)
   async-s1      ``rollout.placement: separate`` (one engine process pinned to one core, the
-                trainer on the other), ``algorithm.max_staleness: 1``
-  async-s1-cap  the same with the importance weight capped (``algorithm.tis_cap: 2``)
-  async-dp2-s1  the trainer at DP 2 (both cores) and the engine process beside it (3 processes)
+                trainer on the other), ``algorithm.max_staleness: 1``, no behaviour
+                correction (``algorithm.tis_mode: off``, the default before issue 40)
+  async-s1-cap  the same with the importance weight clamped at 2 (``tis_cap: 2, tis_mode: clamp``)
+  async-s1-default  the same with the default correction (AReaL's mask at 5.0)
+  async-dp2-s1  the trainer at DP 2 (both cores) and the engine process beside it (3 processes),
+                no correction
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_async.py --steps 40
 """
@@ -36,9 +39,11 @@ ASSETS = REPO / "grpo_mega" / "assets" / "demo_v1"
 RUNS = {
     "sync-w1": ([], 1),
     "sync-dp2": ([], 2),
-    "async-s1": (["--rollout.placement=separate", "--algorithm.max_staleness=1"], 1),
-    "async-s1-cap": (["--rollout.placement=separate", "--algorithm.max_staleness=1", "--algorithm.tis_cap=2"], 1),
-    "async-dp2-s1": (["--rollout.placement=separate", "--algorithm.max_staleness=1"], 2),
+    "async-s1": (["--rollout.placement=separate", "--algorithm.max_staleness=1", "--algorithm.tis_mode=off"], 1),
+    "async-s1-cap": (["--rollout.placement=separate", "--algorithm.max_staleness=1", "--algorithm.tis_cap=2",
+                      "--algorithm.tis_mode=clamp"], 1),
+    "async-s1-default": (["--rollout.placement=separate", "--algorithm.max_staleness=1"], 1),
+    "async-dp2-s1": (["--rollout.placement=separate", "--algorithm.max_staleness=1", "--algorithm.tis_mode=off"], 2),
 }
 
 
