@@ -139,6 +139,79 @@ def _run(root: Path, tp: int, pp: int, ep: int, mode: str, packing: bool = False
             "micro_batches": len(plan.flat)}
 
 
+FP64_BUDGET = 21  # tokens: two packed micro-batches of two rows on each rank (11 + 5 | 10 + 9, 11 + 8 | 10 + 9)
+
+
+class _Grads:
+    """The optimizer ``update_policy`` steps: keeps each parameter's gradient, moves nothing."""
+
+    def __init__(self, model):
+        self.params = list(model.parameters())
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def step(self):
+        self.grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in self.params]
+        return {"grad_norm": 0.0, "skipped": False}
+
+
+def _packed_fp64(root: Path) -> dict:
+    """EP2 in float64 without the load-balancing loss (it is taken per micro-batch, over the
+    positions a pass computes, so it depends on the grouping by design): this rank's rows,
+    old-policy log-probs and one update (no optimizer step; each rank's local gradients,
+    experts' included, which hold both ranks' tokens) padded in micro-batches of ``MICRO``
+    rows and packed under ``FP64_BUDGET`` tokens; log-probs in row order."""
+    import dataclasses
+
+    from megatron.core import parallel_state as mpu
+
+    from grpo_mega.checkpoint.convert import load_hf_weights
+    from grpo_mega.config import AlgorithmConfig
+    from grpo_mega.distributed.state import init_parallel
+    from grpo_mega.models.gpt import build_model
+    from grpo_mega.models.hf_config import model_config_from_hf
+    from grpo_mega.trainer.batch import TrainingBatch
+    from grpo_mega.trainer.microbatches import cut, plan_micro_batches
+    from grpo_mega.trainer.passes import compute_logprobs, update_policy
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    ps = init_parallel(1, 1, ep=2, seed=3)
+    m = dataclasses.replace(model_config_from_hf(json.loads((root / "hf" / "config.json").read_text())),
+                            moe_aux_loss_coeff=0.0)
+    model = build_model(m, ps)
+    load_hf_weights(model, root / "hf", ps, m)
+    model = model.double()
+    model.config.moe_router_dtype = "fp64"  # the trainer routes in fp32; fp32 logits would round by grouping
+    prompts, responses, adv = global_batch_lists(m.vocab_size)
+    rows = slice(ps.dp_rank * GLOBAL // ps.dp, (ps.dp_rank + 1) * GLOBAL // ps.dp)
+    kw = dict(vocab_size=m.vocab_size, temperature=1.0)
+    algo = AlgorithmConfig(kl_coef=0.0, clip_low=0.2, clip_high=0.28)
+    out = {}
+    for name, packing, budget in (("padded", False, 0), ("packed", True, FP64_BUDGET)):
+        b = TrainingBatch.pack(prompts[rows], responses[rows], [[-1.0] * len(r) for r in responses[rows]],
+                               adv[rows], pad_id=0, packing=packing)
+        b, sizes, order = plan_micro_batches(b, len(b), MICRO, budget, ps.dp_group, ps.device)
+        back = torch.argsort(torch.tensor(order))
+        b.old_logp = torch.zeros(b.loss_mask.shape, dtype=torch.float64)
+        compute_logprobs(model, cut(b, sizes)[0], ps, key="old_logp", **kw)
+        logp, mask = b.old_logp[back].clone(), b.loss_mask[back]
+        g = torch.Generator().manual_seed(5)  # an old policy some way off, drawn in row order
+        b.old_logp = (logp + 0.3 * torch.randn(logp.shape, generator=g, dtype=torch.float64) * mask)[order]
+        opt = _Grads(model)
+        update_policy(model, opt, cut(b, sizes)[0], ps, algo, max_len=8, reuse_current_as_old=False, **kw)
+        out[name] = dict(logp=logp, mask=mask, grads=opt.grads, micro_batches=len(sizes[0]))
+    pd, pk = out["padded"], out["packed"]
+    from tests.compare import max_abs_diff, max_abs_diff_all, worst
+    return {"logp_diff": max_abs_diff(pk["logp"][pd["mask"]], pd["logp"][pd["mask"]]),
+            "logp_scale": float(pd["logp"][pd["mask"]].abs().max()),
+            "grad_diff": max_abs_diff_all(pk["grads"], pd["grads"]),
+            "grad_scale": worst(float(x.abs().max()) for x in pd["grads"]),
+            "micro_batches": (pd["micro_batches"], pk["micro_batches"])}
+
+
 def _reference_after_first_step(t, plan, log: list) -> None:
     """The gap's independent reference: right after mini-batch 1's optimizer step, a
     forward-only pass over mini-batch 2 (routing replayed when the update replays it)
@@ -188,6 +261,7 @@ def _rank_main(rank: int, world: int, root: str) -> dict:
     tp, pp, ep = PACKED
     runs[f"tp{tp} pp{pp} ep{ep} record-in-trainer packed"] = _run(root, tp, pp, ep, "record-in-trainer", True,
                                                                   budget=BUDGET)
+    runs["fp64 ep2 packed"] = _packed_fp64(root)
     return runs
 
 

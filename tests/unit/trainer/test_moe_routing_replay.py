@@ -211,3 +211,17 @@ def test_moe_packed_routing_replay_equals_padded_at_ep2(reports):
         assert_close(torch.tensor(pk["gap_mb2"], dtype=torch.float64),
                      torch.tensor(pad["gap_mb2"], dtype=torch.float64), rtol=1e-4, atol=1e-7)
         assert pk["gap_mb2"] > 1e-3
+
+
+def test_moe_packed_update_equals_padded_at_ep2_fp64(reports):
+    """Guards packing under expert parallelism in float64 (no load-balancing loss): a packed
+    micro-batch's tokens reaching the wrong experts or another row's keys, a pad token in
+    the loss, or a normaliser counted per micro-batch: at EP2 the old-policy log-probs of
+    micro-batches packed under a token budget equal the padded ones within 1e-12 and every
+    rank's gradients (its experts' too, which hold both ranks' tokens) within 1e-10."""
+    for r in reports:
+        f = r["fp64 ep2 packed"]
+        assert f["micro_batches"] == (2, 2), f
+        assert f["logp_scale"] > 0.5 and f["grad_scale"] > 1e-3, f
+        assert f["logp_diff"] <= 1e-12, f
+        assert f["grad_diff"] <= 1e-10, f
