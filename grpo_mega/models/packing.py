@@ -160,18 +160,80 @@ def packed_core_attention():
             full = getattr(packed_seq_params, "causal", None)
             if full is None:
                 full = causal_mask(packed_seq_params.max_seqlen_q, query.device)
+            # Segments of one length run as one batch [len, n, ...] (the padded path's batched
+            # math, per row): one parent call per distinct length, not per segment. A demo
+            # micro-batch holds 64 rows of a few lengths; a call per row made its update 3.7x
+            # the padded one (benchmarks page, "per-step fixed cost").
+            groups, inverse = _length_groups(packed_seq_params, cu, query.device)
             outs = []
-            for a, b in zip(cu[:-1], cu[1:]):
-                q, k, v = (x[a:b].unsqueeze(1) for x in (query, key, value))
-                outs.append(super().forward(q, k, v, full[..., :b - a, :b - a],
-                                            attn_mask_type=attn_mask_type, attention_bias=attention_bias,
-                                            **kwargs))
-            return torch.cat(outs, dim=0)
+            for n, idx in groups:  # idx: [len, rows] positions in the pack
+                q, k, v = (x[idx] for x in (query, key, value))
+                outs.append(super().forward(q, k, v, full[..., :n, :n], attn_mask_type=attn_mask_type,
+                                            attention_bias=attention_bias, **kwargs).transpose(0, 1).flatten(0, 1))
+            out = torch.cat(outs, dim=0).index_select(0, inverse)  # back to pack order
+            return out.unsqueeze(1)
 
     return PackedDotProductAttention
 
 
+def _length_groups(params, cu: Sequence[int], device) -> tuple[list[tuple[int, Tensor]], Tensor]:
+    """(per distinct segment length n: ``[n, rows]`` long pack positions of those segments,
+    column j the j-th such segment; ``inverse``: ``[T]`` long, where each pack position lands
+    in the concatenation of the groups' row-major ``[rows * n]`` outputs). Made once per
+    micro-batch and kept on ``params`` (every layer and the backward reuse it)."""
+    cached = getattr(params, "_length_groups", None)
+    if cached is not None:
+        return cached
+    by_len: dict[int, list[int]] = {}
+    for a, b in zip(cu[:-1], cu[1:]):
+        by_len.setdefault(b - a, []).append(a)
+    groups, order = [], []
+    for n, starts in by_len.items():
+        idx = torch.tensor(starts).unsqueeze(0) + torch.arange(n).unsqueeze(1)  # [n, rows]
+        groups.append((n, idx.to(device)))
+        order.append(idx.t().reshape(-1))
+    inverse = torch.argsort(torch.cat(order)).to(device)
+    try:
+        params._length_groups = (groups, inverse)
+    except AttributeError:  # a plain PackedSeqParams with slots: recompute per layer
+        pass
+    return groups, inverse
+
+
+def _rope_thd_in_one_call(original):
+    """megatron's unfused THD RoPE (``rope_utils._apply_rotary_pos_emb_thd``) with positions
+    restarting per segment, as one ``_apply_rotary_pos_emb_bshd`` call over the pack (each
+    token's frequencies gathered at its position in its segment) instead of one call per
+    segment: the same elementwise math per token, so the same bits, without a loop of b
+    iterations per layer and pass (with 64 short rows a micro-batch, that loop was a third of
+    the demo's packed update). Context parallelism, and freqs given per pack position
+    (megatron's "packed freqs" case), go to ``original``."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    def apply(t, cu_seqlens, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0,
+              cp_group=None, multi_latent_attention=None):
+        bounds = cu_seqlens.tolist()  # one read, as megatron's loop does
+        if (cp_group is None or cp_group.size() != 1 or multi_latent_attention is not None
+                or (freqs.dim() >= 1 and freqs.size(0) == bounds[-1])):
+            return original(t, cu_seqlens, freqs, rotary_interleaved=rotary_interleaved,
+                            mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale, cp_group=cp_group,
+                            multi_latent_attention=multi_latent_attention)
+        lens = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])])
+        pos = torch.arange(bounds[-1]) - torch.repeat_interleave(torch.tensor(bounds[:-1]), lens)
+        return rope_utils._apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1), freqs[pos.to(freqs.device)], rotary_interleaved=rotary_interleaved,
+            mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale).squeeze(1)
+
+    apply.grpo_mega_one_call = True
+    return apply
+
+
 def use_packed_core_attention(spec) -> None:
-    """Put ``PackedDotProductAttention`` into a local layer spec's self-attention, in place."""
+    """Put ``PackedDotProductAttention`` into a local layer spec's self-attention, in place,
+    and megatron's unfused THD RoPE in one call per pack (``_rope_thd_in_one_call``)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
     attn = spec.submodules.self_attention.submodules
     attn.core_attention = packed_core_attention()
+    if not getattr(rope_utils._apply_rotary_pos_emb_thd, "grpo_mega_one_call", False):
+        rope_utils._apply_rotary_pos_emb_thd = _rope_thd_in_one_call(rope_utils._apply_rotary_pos_emb_thd)
