@@ -14,15 +14,17 @@ What keeps it the same model as the padded path:
 
 * attention never crosses a boundary: Transformer Engine's THD attention reads ``cu_seqlens``
   on GPU; the local spec (CPU, or no TE) gets ``PackedDotProductAttention``, which runs
-  megatron's own local attention once per segment with the usual causal mask (the
-  boundaries as host ints and one mask of the longest segment are made once per micro-batch
-  in ``pack_rows``, so no layer reads ``cu_seqlens`` back from the device). Chosen over a
-  document-masked SDPA / flex attention over the whole pack because it is the *same* math as
-  the padded local path (same scaling, fp32 softmax, mask fill), so fp64 results agree to
-  rounding, and it costs ``sum(len_i^2)`` instead of ``T^2`` (a per-segment loop, b Python
-  iterations per layer: cheap next to the GEMMs at the sizes the local path is used for);
+  megatron's own local attention on the segments with the usual causal mask, the segments
+  of one length batched in one call (the boundaries as host ints and one mask of the longest
+  segment are made once per micro-batch in ``pack_rows``, so no layer reads ``cu_seqlens``
+  back from the device). Chosen over a document-masked SDPA / flex attention over the whole
+  pack because it is the *same* math as the padded local path (same scaling, fp32 softmax,
+  mask fill), so fp64 results agree to rounding, and it costs ``sum(len_i^2)`` instead of
+  ``T^2``; one call per distinct length rather than per segment, because a call per segment
+  (64 short rows in a demo micro-batch) made the demo's step 2.3x the padded one;
 * RoPE positions restart per segment: with THD, megatron's attention rotates each segment
-  by ``freqs[:len_i]`` (``rope_utils._apply_rotary_pos_emb_thd``, 0.16.1 and 0.19.2), given
+  by ``freqs[:len_i]`` (``rope_utils._apply_rotary_pos_emb_thd``, 0.16.1 and 0.19.2; with the
+  local spec in one call per pack, ``_rope_thd_in_one_call``), given
   ``max_seqlen`` = the longest *segment*. A ``max_seqlen`` equal to the pack's length ``T``
   would switch megatron to its "packed freqs" case and rotate by the position *in the pack*
   (no restart), so ``max_seqlen`` is exact here, never an upper bound. ``position_ids``
