@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from grpo_mega.distributed.errors import run_on_src
 from grpo_mega.preflight.env_budget import check_env_budget, turn_budget_seconds
-from grpo_mega.rollout.multi_turn import EpisodeLimits, generate_episodes
+from grpo_mega.rollout.multi_turn import EpisodeLimits
+from grpo_mega.rollout.multi_turn_layout import generate_episodes
 
 __all__ = ["EpisodeSetup", "build_episodes", "check_env_budget", "play", "episode_stats"]
 
