@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence
 
 from grpo_mega.rollout.types import RolloutBatch
 
-__all__ = ["engine_block", "block_ranks", "gather_global", "prompt_slice"]
+__all__ = ["engine_block", "block_ranks", "gather_global", "prompt_slice", "balanced_shares"]
 
 
 def block_ranks(world: int, etp: int) -> list[list[int]]:
@@ -75,15 +75,48 @@ def prompt_slice(batch: RolloutBatch, num_prompts: int, index: int, count: int,
     blocks of prompts, its ``index``-th share, block after block. Each optimizer step then
     sees the same prompts at every DP size: a replica cuts its mini-batches from its rows in
     order, and its j-th one is its share of the step's j-th block (a contiguous slice of the
-    whole batch would give DP=2's first step prompts 0-3 and 8-11 of 16, DP=1's 0-7)."""
+    whole batch would give DP=2's first step prompts 0-3 and 8-11 of 16, DP=1's 0-7).
+
+    Within a block, the shares are balanced in tokens (:func:`balanced_shares`): every
+    replica gets the same number of whole groups, and the replica with the most tokens, whose
+    update the others wait for, gets as few as the partition can give it. The loss is
+    normalised over the whole block on all replicas, so which replica trains which group
+    changes no update beyond summation order."""
     if num_prompts % (count * mini_batches):
         raise ValueError(f"{num_prompts} prompts do not split into {mini_batches} mini-batch(es) over "
                          f"{count} replicas; make the prompt batch a multiple of the trainer's dp size "
                          "times its mini-batches per step")
     block = num_prompts // mini_batches
-    per = block // count
-    starts = [m * block + index * per for m in range(mini_batches)]
-    return batch.select(p for s in starts for p in range(s, s + per))
+    tokens = [0] * num_prompts
+    for p, a, b in zip(batch.prompt_index, batch.prompt_ids, batch.response_ids):
+        if 0 <= p < num_prompts:
+            tokens[p] += len(a) + len(b)
+    mine: list[int] = []
+    for m in range(mini_batches):
+        mine += [m * block + q for q in balanced_shares(tokens[m * block:(m + 1) * block], count)[index]]
+    return batch.select(mine)
+
+
+def balanced_shares(tokens: Sequence[int], count: int) -> list[list[int]]:
+    """Split prompts ``0..len(tokens)-1`` (``tokens[p]``: the tokens of prompt p's group)
+    into ``count`` shares of equal size, ascending indices each. The contiguous split unless
+    greedy LPT under a cardinality cap (longest group first, into the share with the fewest
+    tokens that still has room; Graham 1969, with the equal-count constraint verl's
+    sequence-length balancing also keeps) lowers the heaviest share's tokens: equal lengths
+    keep the plain deal. Deterministic (ties on the lower index), so every rank, holding the
+    same global batch, computes the same shares."""
+    n = len(tokens)
+    per = n // count
+    contiguous = [list(range(k * per, (k + 1) * per)) for k in range(count)]
+    if count == 1 or per == 0:
+        return contiguous
+    loads, shares = [0] * count, [[] for _ in range(count)]
+    for p in sorted(range(n), key=lambda p: (-tokens[p], p)):
+        k = min((k for k in range(count) if len(shares[k]) < per), key=lambda k: (loads[k], k))
+        shares[k].append(p)
+        loads[k] += tokens[p]
+    heaviest = max(sum(tokens[p] for p in s) for s in contiguous)
+    return [sorted(s) for s in shares] if max(loads) < heaviest else contiguous
 
 
 def _check_order(batches: Sequence[RolloutBatch]) -> None:

@@ -19,8 +19,8 @@ long row does not drag short ones up to its length:
    replica holds the same rows and computes the same plan, so PP needs nothing more.
 3. ``lpt_bins``: the rows go into that many bins by greedy LPT (longest processing time first,
    Graham 1969: longest row first, each into the bin with the fewest tokens so far), which
-   balances the micro-batches' tokens within the replica; rows do not move between DP replicas
-   (each holds its own rollout share), so across DP only the count is balanced. A replica with
+   balances the micro-batches' tokens within the replica (across DP the replicas' shares were
+   already balanced in tokens when they were dealt, ``rollout.layout.prompt_slice``). A replica with
    fewer rows than the agreed count fills the rest with *filler* micro-batches: one row with
    no trainable token (mask all False, its own buffers), which adds nothing to the loss, the
    gradient or the normalisers.

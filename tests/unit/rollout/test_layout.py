@@ -101,3 +101,31 @@ def test_samples_reach_the_trainer_replica_that_owns_their_prompts_pp2_dp2():
     for o in out:
         want = _batch(list(range(4 * o["dp_rank"], 4 * o["dp_rank"] + 4))).to_dict()
         assert o["dp"] == 2 and o["batch"] == {**want, "seconds": 4.0}, o
+
+
+def test_prompt_slice_balances_packed_tokens_across_dp_with_whole_groups():
+    """Guards against DP replicas dealt contiguous prompts whatever their lengths (the
+    long-tailed step's slowest replica sets the step time: here the contiguous deal gives
+    replica 0 prompts 0, 1, 4, 5, 230 tokens against 74), and against a balanced deal that splits a group, changes the replicas' group counts, moves a
+    prompt into another mini-batch, or differs between ranks (it must be a function of the
+    global batch). Packed micro-batches compute tokens, not rows, so tokens are what must be
+    balanced."""
+    from grpo_mega.rollout.layout import balanced_shares
+
+    n, prompts, minis = 2, 8, 2
+    lens = {0: 40, 1: 40, 2: 1, 3: 1, 4: 1, 5: 30, 6: 30, 7: 1}
+    b = _batch(list(range(prompts)), n=n)
+    b.response_ids = [[7] * lens[p] for p in b.prompt_index]
+    parts = [prompt_slice(b, prompts, i, 2, mini_batches=minis) for i in range(2)]
+    load = [sum(len(x) + len(y) for x, y in zip(p.prompt_ids, p.response_ids)) for p in parts]
+    # a group of prompt p holds 2 x (1 + lens[p]) tokens; the contiguous deal would give
+    # replica 0 prompts 0, 1, 4, 5 (230 tokens) and replica 1 prompts 2, 3, 6, 7 (74)
+    assert load == [152, 152], load
+    for j in range(minis):
+        got = sorted(set(parts[0].prompt_index[j * 4:(j + 1) * 4] + parts[1].prompt_index[j * 4:(j + 1) * 4]))
+        assert got == list(range(4 * j, 4 * j + 4)), (j, got)
+    for p in parts:
+        assert all(p.prompt_index.count(q) == n for q in set(p.prompt_index)) and len(p) == 4 * n
+    assert balanced_shares([5, 5, 5, 5], 2) == [[0, 1], [2, 3]]  # equal lengths: the plain deal
+    assert balanced_shares([9, 1, 8, 2, 1, 1], 3) == [[0, 1], [2, 3], [4, 5]]
+    assert balanced_shares([9, 8, 1, 1], 2) == [[0, 3], [1, 2]]
