@@ -289,3 +289,24 @@ def test_packing_is_on_by_default_and_in_every_shipped_config():
         if path.parent.name == "launch":
             longest = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
             assert cfg.parallel.max_tokens_per_micro_batch >= longest, path
+
+
+def test_packed_attention_length_groups_put_each_row_back_in_pack_order():
+    """Guards the per-length batching of the packed local attention handing a row's output to
+    another row's positions (the gather's inverse permutation wrong, or the permutation used
+    as its own inverse): the fp64 equality tests pack micro-batches of two rows, where the
+    groups hardly reorder anything. Here lengths are interleaved (3, 5, 3, 5, 1), as the
+    attention's forward consumes them: per group ``[n, rows]`` positions, outputs concatenated
+    row-major, then ``inverse``; every position must come back to itself, and every group
+    column must be one whole segment."""
+    from types import SimpleNamespace
+
+    from grpo_mega.models.packing import _length_groups
+
+    cu = [0, 3, 8, 11, 16, 17]
+    groups, inverse = _length_groups(SimpleNamespace(), cu, torch.device("cpu"))
+    x = torch.arange(cu[-1])
+    out = torch.cat([x[idx].t().flatten() for _, idx in groups]).index_select(0, inverse)
+    assert torch.equal(out, x), out
+    segments = sorted(tuple(col.tolist()) for n, idx in groups for col in idx.t())
+    assert segments == [tuple(range(a, b)) for a, b in zip(cu[:-1], cu[1:])], segments
