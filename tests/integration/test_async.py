@@ -100,7 +100,7 @@ def _trained_uids(run: Path) -> dict[int, list[str]]:
     return out
 
 
-def test_async_sigkill_at_every_phase_then_resume_trains_every_prompt_exactly_once(tmp_path):
+def test_async_sigkill_mid_generation_update_and_sync_then_resume_trains_every_prompt_exactly_once(tmp_path):
     """Guards against a resumed asynchronous run that skips or repeats prompts: a checkpoint
     storing the data position after the newest draw (the prompts in flight at the kill are
     never trained: NeMo-RL lost ~30% this way), or before an already trained batch (trained

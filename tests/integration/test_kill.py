@@ -113,7 +113,7 @@ def _hold_and_kill(run: Path, steps: int, fault: str) -> Job:
     return job
 
 
-def test_kill_whole_tp2_job_at_every_phase_then_restart_resumes_to_uninterrupted_weights(tmp_path):
+def test_kill_tp2_job_mid_generation_save_rotation_and_at_random_then_restart_resumes_to_uninterrupted_weights(tmp_path):
     """Guards against a killed job that cannot restart on the same machine (a leaked vLLM
     shm segment: errno 17 at the next engine start), an orphaned rank (only torchrun
     killed: its ranks in their own sessions went on training), two writers in one run
