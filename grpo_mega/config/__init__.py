@@ -23,6 +23,7 @@ from grpo_mega.config.coerce import (  # noqa: F401  (re-exported: the public co
     ConfigError, apply_dict, apply_overrides, check_numbers, field_docs, parse_overrides, sections_help,
     type_name, yaml_error)
 from grpo_mega.config.model import ModelConfig  # noqa: F401  (re-exported: the model section)
+from grpo_mega.config.gateway import GatewaySection  # noqa: F401  (re-exported: the gateway section)
 
 
 @dataclass
@@ -175,14 +176,14 @@ class EnvConfig:
     error_reward: Optional[float] = 0.0
     """Reward of an episode ended by an environment error (``step`` raised, timed out, or
     the turn budget ran out); null drops the episode's group from training instead."""
-
-
     scheduling: str = "lockstep"
     """``lockstep``: one generate call per turn for every active episode, then that turn's
     environment steps. ``async``: each episode's next turn is queued as soon as its tool
     answered, tool calls overlapping generation (vLLM stepped one step at a time; same
     seeds and trajectories); a job of one process only (the in-process engine). Faster
     with slow or skewed tools, about even without (docs/evidence/benchmarks-2026-11.md)."""
+
+
 @dataclass
 class AlgorithmConfig:
     logprob_kernel: str = "auto"
@@ -420,6 +421,8 @@ class Config:
     """Checkpoint / resume."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics sinks."""
+    gateway: GatewaySection = field(default_factory=GatewaySection)
+    """Train an agent program through the OpenAI-compatible gateway (off by default)."""
 
 
 SIGNED_FIELDS = frozenset({"rollout.top_k", "reward.weights"})

@@ -64,7 +64,8 @@ class Gateway:
         generate: ``generate(prompt_id_lists, sampling, step=, keys=, budgets=) -> RolloutBatch``,
             e.g. ``RolloutEngine.generate`` of an in-process or child-mode engine of one rank.
             The gateway calls it from one thread of its own; nothing else may use the engine
-            while episodes run (sync weights between rounds).
+            while episodes run (sync weights between rounds). None: the caller pumps the
+            calls (``batcher.take``; the trainer, collectively over its ranks).
         codec: the chat format (``TurnCodec``: ``first_ids``, ``delta_ids``, ``parse``, ``check``).
         sampling: defaults for what a request leaves out (its ``n`` is ignored: one choice per
             call). The chat format's end-of-turn token (``codec.eot_id``) is added to its
@@ -72,7 +73,7 @@ class Gateway:
         config: :class:`GatewayConfig`.
     """
 
-    def __init__(self, generate: Callable[..., RolloutBatch], codec: TurnCodec,
+    def __init__(self, generate: Optional[Callable[..., RolloutBatch]], codec: TurnCodec,
                  sampling: Optional[SamplingConfig] = None, config: Optional[GatewayConfig] = None):
         self.codec = codec
         self.set_sampling(sampling or SamplingConfig())
@@ -85,6 +86,8 @@ class Gateway:
         self._collected: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._serial = 0
         self._lock = threading.Condition()
+        self._tasks: collections.deque[dict] = collections.deque()
+        self._tasks_ended = False
 
     def set_sampling(self, sampling: SamplingConfig) -> None:
         """The sampling of the calls from now on (the trainer's, set per round: training at
@@ -95,12 +98,14 @@ class Gateway:
 
     # -- episodes ------------------------------------------------------------
     def open_episode(self, episode_id: Optional[str] = None, *, prompt_index: Optional[int] = None,
-                     metadata: Optional[dict] = None, key: Optional[int] = None) -> str:
+                     metadata: Optional[dict] = None, key: Optional[int] = None,
+                     task: Optional[dict] = None) -> str:
         """Open an episode (a fresh id unless one is given); returns its id. ``prompt_index``:
         the prompt it plays (``collect`` groups by it); ``metadata``: JSON-able, kept in
         ``episode_info``; ``key``: its seed key (distinct per episode of a round; default:
         the order episodes were opened in), so that with the same ``step`` and seed a round
-        draws the same samples however its agents' calls interleave."""
+        draws the same samples however its agents' calls interleave. ``task``: JSON-able,
+        handed with the episode's id to the next agent asking (``next_task``)."""
         if episode_id is None:
             episode_id = uuid.uuid4().hex
         if not isinstance(episode_id, str) or not EPISODE_ID.match(episode_id):
@@ -126,7 +131,34 @@ class Gateway:
             self._episodes[episode_id] = Episode(episode_id, self._serial if key is None else key, prompt_index,
                                                  metadata)
             self._serial += 1
+            if task is not None:
+                self._tasks.append({"episode_id": episode_id, "prompt_index": prompt_index, **task})
+                self._lock.notify_all()
         return episode_id
+
+    def next_task(self, wait: float) -> Optional[dict]:
+        """The oldest task not yet handed out (``open_episode(task=)``), waiting up to
+        ``wait`` s for one; None if none came; a 410 (``tasks_ended``) once ``end_tasks`` ran."""
+        deadline = time.monotonic() + wait
+        with self._lock:
+            while not self._tasks and not self._tasks_ended and time.monotonic() < deadline:
+                self._lock.wait(deadline - time.monotonic())
+            if self._tasks:
+                return self._tasks.popleft()
+            if self._tasks_ended:
+                raise GatewayError(410, "the run is over: no more episodes (the agent may exit)", code="tasks_ended")
+            return None
+
+    def end_tasks(self) -> None:
+        """No more tasks: agents asking get 410 and may exit."""
+        with self._lock:
+            self._tasks_ended = True
+            self._lock.notify_all()
+
+    def unfinished(self, episode_ids: Sequence[str]) -> list[str]:
+        """The ids among ``episode_ids`` still held and not finished."""
+        with self._lock:
+            return [i for i in episode_ids if i in self._episodes and not self._episodes[i].finished]
 
     def episode(self, episode_id: str, *, create: bool = False) -> Episode:
         with self._lock:
@@ -386,6 +418,7 @@ class Gateway:
 
     def close(self) -> None:
         """Stop the engine thread (the HTTP server is closed by its own ``close``)."""
+        self.end_tasks()
         self.batcher.close()
 
     def serve(self, host: Optional[str] = None, port: Optional[int] = None):

@@ -28,6 +28,7 @@ Routes (``<id>``: an episode id; the agent's ``base_url`` is ``<url>/episodes/<i
 ``GET  /episodes/<id>``                      the episode's counters
 ``POST /episodes/<id>/reward``               ``{"reward": float}``
 ``POST /episodes/<id>/finish``               ``{"reward"?: float}``; later calls get 409
+``POST /tasks/next``                         ``{"wait"?: s}``: the next episode to play (trainer mode)
 ``GET  /health``                             ``{"status": "ok"}``
 ==========================================  ===========================================
 
@@ -64,6 +65,8 @@ __all__ = ["GatewayServer", "is_loopback"]
 log = logging.getLogger(__name__)
 
 _EP = r"/episodes/(?P<id>[^/]+)"
+_MAX_TASK_WAIT_S = 60.0
+"""Longest an agent's ``POST /tasks/next`` waits for a task (its connection's thread is held)."""
 _ROUTES = [
     ("POST", re.compile(rf"^{_EP}/v1/chat/completions$"), "chat"),
     ("GET", re.compile(rf"^(?:{_EP})?/v1/models$"), "models"),
@@ -73,6 +76,7 @@ _ROUTES = [
     ("POST", re.compile(rf"^{_EP}/reward$"), "reward"),
     ("POST", re.compile(rf"^{_EP}/finish$"), "finish"),
     ("GET", re.compile(r"^/health$"), "health"),
+    ("POST", re.compile(r"^/tasks/next$"), "next_task"),
 ]
 
 
@@ -369,6 +373,16 @@ class _Handler(BaseHTTPRequestHandler):
             raise GatewayError(400, 'the body must be a JSON object ({} or {"reward": <number>})')
         self.server.gateway.finish(episode_id, body.get("reward"))
         return 200, {"id": episode_id, "finished": True}
+
+    def _next_task(self, episode_id: Any, body: Any) -> tuple[int, dict]:
+        wait = body.get("wait", 10.0) if isinstance(body, dict) else None
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 <= wait <= _MAX_TASK_WAIT_S:
+            raise GatewayError(400, f"wait={wait!r} must be a number of seconds in [0, {_MAX_TASK_WAIT_S}]",
+                               param="wait")
+        task = self.server.gateway.next_task(float(wait))
+        if task is None:
+            return 200, {"episode_id": None}
+        return 200, {**task, "base_url": f"{self._base()}/episodes/{task['episode_id']}/v1"}
 
     def _health(self, episode_id: Any, body: Any) -> tuple[int, dict]:
         return 200, {"status": "ok"}

@@ -1,9 +1,11 @@
 """Start-up checks of the rollout placement and the asynchronous settings
 (``rollout.placement``, ``rollout.engines``, ``rollout.engine_devices``,
-``algorithm.max_staleness``, ``algorithm.off_policy``): each refusal names the flag."""
+``algorithm.max_staleness``, ``algorithm.off_policy``) and of where episodes come from
+(``gateway.*``): each refusal names the flag."""
 from __future__ import annotations
 
 from grpo_mega.config import Config, ConfigError
+from grpo_mega.config.gateway import GATEWAY_REWRITE_POLICIES, GATEWAY_SAMPLING_POLICIES
 
 PLACEMENTS = ("colocated", "separate")
 
@@ -29,6 +31,31 @@ def check_placement(cfg: Config) -> None:
                           "(or --algorithm.max_staleness=0)")
     if r.placement == "separate":
         _check_separate(cfg)
+    check_gateway(cfg)
+
+
+def check_gateway(cfg: Config) -> None:
+    """``gateway.*``: the policies are known, the limits sane, and the run is one the
+    gateway can feed (colocated engines of any layout; not with an environment)."""
+    g = cfg.gateway
+    for name, allowed in (("sampling_policy", GATEWAY_SAMPLING_POLICIES), ("on_rewrite", GATEWAY_REWRITE_POLICIES)):
+        if getattr(g, name) not in allowed:
+            raise ConfigError(f"gateway.{name}={getattr(g, name)!r} is not one of {allowed} (--gateway.{name})")
+    if not 0 <= g.port < 65536 or g.max_tokens < 1 or g.max_connections < 1 or not g.episode_timeout_seconds > 0:
+        raise ConfigError(f"gateway.port={g.port} must be a TCP port (0: a free one), gateway.max_tokens={g.max_tokens}, "
+                          f"gateway.max_connections={g.max_connections} >= 1 and gateway.episode_timeout_seconds="
+                          f"{g.episode_timeout_seconds} > 0")
+    if not g.enabled:
+        return
+    if cfg.env.name:
+        raise ConfigError(f"gateway.enabled with env.name={cfg.env.name!r}: the agent program is the environment "
+                          "(--env.name=null, or --gateway.enabled=false)")
+    if cfg.rollout.placement == "separate":
+        raise ConfigError("gateway.enabled with rollout.placement=separate is not supported yet: the gateway "
+                          "drives colocated engines (any rollout.tp, several replicas) (--rollout.placement=colocated)")
+    if cfg.algorithm.advantage == "process":
+        raise ConfigError("algorithm.advantage=process scores reasoning steps of one response; with gateway.enabled "
+                          "the agent gives each episode one reward (--algorithm.advantage=outcome)")
 
 
 def _check_separate(cfg: Config) -> None:

@@ -65,6 +65,9 @@ def _generate(t: Trainer, prompts: list[Prompt], step: int, sampling: Optional[S
     if t.episodes is not None:  # multi-turn: whole episodes against the environment
         from grpo_mega.trainer.episodes import play
         return play(t, prompts, step, sampling, mini_batches)
+    if t.gateway is not None:  # an agent program plays them through the gateway
+        from grpo_mega.trainer.gateway import play_gateway
+        return play_gateway(t, prompts, step, sampling, mini_batches)
     if t.cfg.rollout.placement == "separate":  # engines in their own processes, fed by rank 0
         from grpo_mega.trainer.pipeline import generate_separate
         return generate_separate(t, prompts, step, sampling, mini_batches)
@@ -138,7 +141,7 @@ def _score(t: Trainer, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list
     With ``algorithm.advantage=process`` each reward is a ``StepScores``, else a float."""
     from grpo_mega.rewards import RewardSample
 
-    if t.episodes is not None:  # the environment scored each episode as it ran
+    if t.episodes is not None or t.gateway is not None:  # the environment (agent) scored each episode
         return list(batch.episode_rewards), 0
 
     def score() -> tuple[list, int]:
@@ -191,7 +194,7 @@ def reward(t: Trainer, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list
     lens = torch.tensor(batch.response_lengths, dtype=torch.float64)
     truncated = sum(f == "length" for f in batch.finish_reasons)
     extra = []
-    if t.episodes is not None:
+    if t.episodes is not None or t.gateway is not None:
         from grpo_mega.trainer.episodes import EPISODE_KEYS, episode_stats
         extra = episode_stats(batch)
     v = torch.tensor([r.sum(), (r * r).sum(), float(len(r)), (r >= 1.0).sum(), lens.sum(), truncated, *extra],

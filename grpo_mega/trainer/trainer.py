@@ -68,6 +68,9 @@ class Trainer:
     episodes: Optional[Any] = None
     """Multi-turn runs (``env.name``): the chat codec, environment factory and limits
     (``trainer.episodes.EpisodeSetup``); None for single-turn prompts."""
+    gateway: Optional[Any] = None
+    """Gateway mode (``gateway.enabled``): an agent program plays the episodes
+    (``trainer.gateway.GatewayRun``; its server and agent on rank 0); None otherwise."""
     pipeline: Optional[Any] = None
     """Asynchronous GRPO (``rollout.placement: separate``): the batches in flight
     (``trainer.pipeline.RolloutPipeline``); None in the colocated, synchronous loop."""
@@ -104,7 +107,7 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        for obj in (self.scorer, self.engine):
+        for obj in (self.gateway, self.scorer, self.engine):
             try:
                 if obj is not None:
                     (getattr(obj, "close", None) or getattr(obj, "shutdown"))()
@@ -286,8 +289,10 @@ def build_trainer(argv=None) -> Trainer:
 
     from grpo_mega.trainer.episodes import build_episodes
     episodes = build_episodes(cfg, tok)
+    from grpo_mega.trainer.gateway import build_gateway
+    gateway = build_gateway(cfg, tok, ps.rank, say)
     scorer = None
-    if ps.is_replica_leader and episodes is None:
+    if ps.is_replica_leader and episodes is None and gateway is None:
         from grpo_mega.rewards import RewardScorer
         rc = cfg.reward
         scorer = RewardScorer(reward_specs(cfg), num_workers=rc.num_workers, timeout_s=rc.timeout_seconds,
@@ -299,7 +304,7 @@ def build_trainer(argv=None) -> Trainer:
         sink = open_sink(cfg)
     t = Trainer(cfg=cfg, ps=ps, model=model, ref=ref, optimizer=optimizer, scheduler=scheduler,
                 tokenizer=tok, dataset=dataset, eval_set=eval_set, engine=engine, bridge=bridge,
-                scorer=scorer, sink=sink, ckpt_dir=ckpt_dir, locks=locks, episodes=episodes)
+                scorer=scorer, sink=sink, ckpt_dir=ckpt_dir, locks=locks, episodes=episodes, gateway=gateway)
     if meta is not None:
         t.step, t.eval_initial, t.eval_last = meta["step"], meta.get("eval_initial"), meta.get("eval_last")
         t.ref_reset_step = meta.get("ref_reset_step")
