@@ -27,7 +27,8 @@ class GatewaySection:
     wait while the weights change). Not with ``env.name`` (the agent is the environment)."""
     agent_command: list[str] = field(default_factory=list)
     """The agent program, started by rank 0 at start-up and stopped at the end (e.g.
-    ``[python, -m, grpo_mega.demo.gateway_agent]``). Its environment carries
+    ``[python, -m, grpo_mega.demo.gateway_agent]``; a first word ``python`` is the
+    trainer's own interpreter, so the agent runs in its environment). Its environment carries
     ``GRPO_GATEWAY_URL`` and ``GRPO_GATEWAY_API_KEY``; it asks ``POST /tasks/next`` for
     episodes. Empty: start the agent yourself; the URL and key are in
     ``<run_dir>/gateway.json`` (mode 0600)."""

@@ -23,6 +23,7 @@ import json
 import os
 import secrets
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -84,7 +85,10 @@ def build_gateway(cfg, tokenizer, rank: int, say=print) -> Optional[GatewayRun]:
     agent = None
     if g.agent_command:
         env = dict(os.environ, GRPO_GATEWAY_URL=server.url, GRPO_GATEWAY_API_KEY=key)
-        agent = subprocess.Popen(list(g.agent_command), env=env)
+        command = list(g.agent_command)
+        if command[0] == "python":  # the trainer's own interpreter (its venv), not whatever PATH holds
+            command[0] = sys.executable
+        agent = subprocess.Popen(command, env=env)
     say(f"gateway: serving on {server.url} (key in {info}); "
         + (f"agent started: {' '.join(g.agent_command)} (pid {agent.pid})" if agent else
            "start the agent yourself (gateway.agent_command is empty)"))
