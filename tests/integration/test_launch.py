@@ -200,8 +200,11 @@ def test_budget_numbers_are_sane():
     cfg70 = load_config(str(REPO / CONFIGS["llama3_70b"][0]))
     b70 = cc.memory_budget(cfg70, cc.derive_layout(cfg70, 64))
     assert 4.0 < b70.row("policy weights") < 4.5  # 70.6B / 32 model-parallel GPUs x 2 B
-    # Activations scale with the micro-batch; no reference model without KL.
-    cfg70b = load_config(str(REPO / CONFIGS["llama3_70b"][0]), ["--parallel.micro_batch_size=2",
+    # Activations scale with the micro-batch (the config's is a token budget: packed
+    # micro-batches); no reference model without KL.
+    tokens = cfg70.parallel.max_tokens_per_micro_batch
+    assert tokens > 0, "the 70B recipe is expected to pack under a token budget"
+    cfg70b = load_config(str(REPO / CONFIGS["llama3_70b"][0]), [f"--parallel.max_tokens_per_micro_batch={2 * tokens}",
                                                                "--algorithm.kl_coef=0"])
     b70b = cc.memory_budget(cfg70b, cc.derive_layout(cfg70b, 64))
     assert b70b.row("activations") == pytest.approx(2 * b70.row("activations"))
