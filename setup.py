@@ -58,6 +58,9 @@ setup(
                  "furo>=2024.8", "sphinx-copybutton>=0.5", "playwright>=1.40",
                  # wandb: the metrics sink is tested against the real package, offline
                  # (tests/unit/trainer/test_metrics.py, tested with 0.31.0: 62 MB, 0.4 s to import).
-                 "wandb>=0.31"],
+                 "wandb>=0.31",
+                 # peft: the LoRA export test loads our PEFT adapter directory with the real
+                 # library (tests/unit/checkpoint/test_lora_export.py; tested with 0.21.2)
+                 "peft>=0.13"],
     },
 )

@@ -3,10 +3,14 @@
 
     python tools/convert_checkpoint.py hf-to-mcore --hf-dir HF_DIR --out MCORE_DIR
     python tools/convert_checkpoint.py mcore-to-hf --in MCORE_DIR --out HF_DIR [--hf-config DIR]
+    python tools/convert_checkpoint.py lora-to-peft --in RUN/checkpoints/step_X --out ADAPTER_DIR [--merged]
     torchrun --nproc-per-node 4 tools/convert_checkpoint.py hf-to-mcore ...   # ranks share the work
 
 The megatron checkpoint holds unsharded canonical tensors; the trainer loads it at
-any TP/PP layout (``grpo_mega.checkpoint.convert.load_mcore_weights``). Tensors stream one at a
+any TP/PP layout (``grpo_mega.checkpoint.convert.load_mcore_weights``). ``lora-to-peft`` turns
+a LoRA run's checkpoint (adapters only) into a Hugging Face PEFT adapter directory
+(``adapter_config.json`` + ``adapter_model.safetensors``), or with ``--merged`` into an HF model
+with the adapters merged into the base (``grpo_mega.checkpoint.lora_export``). Tensors stream one at a
 time; output appears only when complete (temporary directory, then rename). The
 logic lives in ``grpo_mega.checkpoint.convert`` and ``grpo_mega.models.hf``; this is the CLI.
 Exit status: 0 done, 2 bad input (the message names the tensor / file).
@@ -40,6 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "this can run code from the files: only for checkpoints you made yourself")
     b.add_argument("--no-progress", action="store_true",
                    help="a line per tensor group instead of a progress bar (drawn only on a terminal)")
+    c = sub.add_parser("lora-to-peft", help="LoRA trainer checkpoint -> HF PEFT adapter (or merged HF model)")
+    c.add_argument("--in", dest="input", required=True, help="a step_* directory of a LoRA run's checkpoint.dir")
+    c.add_argument("--out", required=True, help="output directory (must not exist unless --overwrite)")
+    c.add_argument("--merged", action="store_true",
+                   help="write an HF model with W + scale * B A merged into the base, not the adapter")
+    c.add_argument("--base", default=None,
+                   help="the HF base model directory (default: the base the checkpoint references)")
+    c.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    c.add_argument("--allow-unsafe-load", action="store_true",
+                   help="unpickle a checkpoint index that names more than torch's checkpoint records; "
+                        "this can run code from the files: only for checkpoints you made yourself")
     return p
 
 
@@ -50,7 +65,11 @@ def main(argv=None) -> int:
     from grpo_mega.models.hf import MappingError
 
     try:
-        if args.cmd == "hf-to-mcore":
+        if args.cmd == "lora-to-peft":
+            from grpo_mega.checkpoint.lora_export import lora_to_peft
+            lora_to_peft(args.input, args.out, merged=args.merged, base_dir=args.base, overwrite=args.overwrite,
+                         allow_unsafe_load=args.allow_unsafe_load)
+        elif args.cmd == "hf-to-mcore":
             convert.hf_to_mcore(args.hf_dir, args.out, overwrite=args.overwrite, bar=not args.no_progress)
         else:
             convert.mcore_to_hf(args.input, args.out, hf_config_dir=args.hf_config,

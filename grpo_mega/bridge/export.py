@@ -26,37 +26,53 @@ What: from any TP x PP x DP layout, every rank (or every stage, with
    so every rank of the stage yields every expert of the layer in one bucket and none
    holds more than one layer of other ranks' experts (plus the bucket). Step 3 then
    carries the whole stage to the other stages.
+5. LoRA (``model.lora``): adapter parameters are never exported as tensors of their own.
+   An adapted linear's weight is sent merged, W + scale * B A on the local shard, then
+   gathered and mapped like any weight (``model.lora.sync: merged``, and the HF export);
+   ``export_adapter_buckets`` sends the adapter alone in PEFT names (``sync: adapter``).
 """
 from __future__ import annotations
 
 from typing import Iterator, Optional
 
+import functools
+
 import torch
 import torch.distributed as dist
 
+from grpo_mega.bridge import lora
 from grpo_mega.config import ModelConfig
 from grpo_mega.models import hf as mapping
 from grpo_mega.models import layout as mcore_layout
 from grpo_mega.models.gpt import unwrap_model
 
-__all__ = ["export_buckets", "export_hf_weights", "DEFAULT_BUCKET_BYTES", "Bucket", "DTYPES", "nbytes"]
+__all__ = ["export_buckets", "export_adapter_buckets", "export_hf_weights", "DEFAULT_BUCKET_BYTES", "Bucket",
+           "DTYPES", "nbytes"]
 
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 Bucket = list  # list[tuple[str, torch.Tensor]]: HF name, full tensor
 
 
-def _stage_modules(model, cfg: ModelConfig, ps) -> list[list[tuple[str, torch.Tensor]]]:
+def _stage_modules(model, cfg: ModelConfig, ps, merge_lora: bool = True) -> list[list[tuple[str, torch.Tensor]]]:
     """This stage's parameters as [(canonical name, local tensor)] per megatron module,
-    in model order. The last stage's tied copy of the embedding is left out."""
+    in model order. The last stage's tied copy of the embedding is left out. LoRA
+    adapter parameters are never HF tensors of their own: with ``merge_lora`` an adapted
+    linear's weight is its merged local shard W + scale * B A (``bridge.lora``), else the
+    frozen base weight."""
     per = cfg.num_layers // ps.pp
     model = unwrap_model(model)
     off = mcore_layout.expert_offset(model, ps)
+    adapted = lora.adapted_modules(model) if merge_lora else {}
     groups: dict[str, list] = {}
     for local_name, p in model.named_parameters():
+        if ".lora_A." in local_name or ".lora_B." in local_name:
+            continue
         name = mcore_layout.to_global_name(local_name, ps.pp_rank, per, off)
         if name == "output_layer.weight" and cfg.tie_embeddings:
             continue
-        groups.setdefault(mapping.module_of(name), []).append((name, p.detach()))
+        owner = local_name[:-len(".weight")] if local_name.endswith(".weight") else None
+        t = lora.merged_weight(adapted[owner]) if owner in adapted else p.detach()
+        groups.setdefault(mapping.module_of(name), []).append((name, t))
     return list(groups.values())
 
 
@@ -97,7 +113,7 @@ def _units(modules) -> list[list]:
     return units
 
 
-def _stage_buckets(model, cfg: ModelConfig, ps, bucket_bytes: int) -> Iterator[Bucket]:
+def _stage_buckets(model, cfg: ModelConfig, ps, bucket_bytes: int, merge_lora: bool = True) -> Iterator[Bucket]:
     """This stage's HF tensors in buckets of about ``bucket_bytes`` (whole units only),
     every expert included (each MoE layer's blocks broadcast over the EP group at EP > 1).
     Every EP rank of a stage walks the same units in the same order, so the broadcasts
@@ -110,7 +126,7 @@ def _stage_buckets(model, cfg: ModelConfig, ps, bucket_bytes: int) -> Iterator[B
             return local
         return _layer_experts(local, ps)
 
-    yield from _pack((pairs_of(u) for u in _units(_stage_modules(model, cfg, ps))), bucket_bytes)
+    yield from _pack((pairs_of(u) for u in _units(_stage_modules(model, cfg, ps, merge_lora))), bucket_bytes)
 
 
 def _layer_experts(local: Bucket, ps) -> Bucket:
@@ -167,27 +183,43 @@ DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torc
 
 
 def export_buckets(model, model_cfg: ModelConfig, ps, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                   all_stages: bool = True) -> Iterator[Bucket]:
+                   all_stages: bool = True, merge_lora: bool = True) -> Iterator[Bucket]:
     """Yield the model's HF tensors as buckets ``[(hf_name, full tensor), ...]``.
 
     Collective: every rank of the TP and PP groups must exhaust the generator.
     ``all_stages=True``: every rank receives every stage's buckets (stage 0's first),
     broadcast over the PP group one bucket at a time. ``False``: each stage yields
-    only its own. Tensors may be views; do not modify them.
+    only its own. Tensors may be views; do not modify them. A LoRA model's adapted
+    linears export W + scale * B A (``merge_lora``; False: the base weights alone).
     """
+    stage_buckets = functools.partial(_stage_buckets, model, model_cfg, ps, bucket_bytes, merge_lora)
+    yield from _all_stages(stage_buckets, ps, all_stages)
+
+
+def _all_stages(stage_buckets, ps, all_stages: bool = True) -> Iterator[Bucket]:
+    """``stage_buckets()`` of this stage, and with ``all_stages`` every other stage's too,
+    stage by stage over the PP group (step 3 of the module docstring)."""
     if ps.pp == 1 or not all_stages:
-        yield from _stage_buckets(model, model_cfg, ps, bucket_bytes)
+        yield from stage_buckets()
         return
     for stage in range(ps.pp):
         src = dist.get_global_rank(ps.pp_group, stage)
         if ps.pp_rank == stage:
-            for bucket in _stage_buckets(model, model_cfg, ps, bucket_bytes):
+            for bucket in stage_buckets():
                 _broadcast_bucket(bucket, src, ps.pp_group)
                 yield bucket
             _broadcast_bucket(None, src, ps.pp_group)  # end of this stage
         else:
             while (bucket := _receive_bucket(src, ps.pp_group, ps.device)) is not None:
                 yield bucket
+
+
+def export_adapter_buckets(model, model_cfg: ModelConfig, ps, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                           all_stages: bool = True) -> Iterator[Bucket]:
+    """Yield a LoRA model's adapter alone in PEFT names (``bridge.lora``), in buckets;
+    collective and stage by stage like ``export_buckets``."""
+    yield from _all_stages(lambda: _pack(lora.adapter_hf_pairs(model, model_cfg, ps), bucket_bytes),
+                           ps, all_stages)
 
 
 def export_hf_weights(model, model_cfg: ModelConfig, ps, *,

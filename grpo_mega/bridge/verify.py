@@ -23,7 +23,7 @@ from grpo_mega.bridge.export import DTYPES
 from grpo_mega.config import ModelConfig
 from grpo_mega.models import hf as mapping
 
-__all__ = ["Probe", "make_probe", "verify_engine"]
+__all__ = ["Probe", "make_probe", "verify_engine", "make_adapter_probes", "verify_adapter"]
 
 
 @dataclass
@@ -112,3 +112,51 @@ def _values(v) -> torch.Tensor:
     if isinstance(v, torch.Tensor):
         return v.detach().float()
     return torch.tensor(v["data"], dtype=torch.float32).reshape(v["shape"])
+
+
+def make_adapter_probes(pairs, lora_cfg, k: int, seed: int) -> dict[str, Probe]:
+    """``model.lora.sync: adapter``: per HF module of the adapter ``pairs`` (PEFT names),
+    k random columns of the update scale * B A the engine must apply (float64 product)."""
+    tensors = dict(pairs)
+    scale = lora_cfg.alpha / lora_cfg.rank
+    probes = {}
+    for name, a in tensors.items():
+        if not name.endswith(".lora_A.weight"):
+            continue
+        module = name[:-len(".lora_A.weight")]
+        b = tensors[module + ".lora_B.weight"]
+        gen = torch.Generator().manual_seed(seed ^ a.shape[1])
+        cols = sorted(torch.randperm(a.shape[1], generator=gen)[:k].tolist())
+        expected = (b.detach().double().cpu() @ a.detach().double().cpu()[:, cols]) * scale
+        probes[module[len("base_model.model."):]] = Probe(None, cols, expected)
+    return probes
+
+
+def verify_adapter(engine, probes: dict[str, Probe], atol: float = 0.0) -> list[str]:
+    """Compare the adapter the engine holds (``probe_adapter``) with ``probes``. The engine
+    computes its product from its own copy (the scale folded into B, float32), so the
+    comparison allows float32 rounding of the product: ``max(atol, 1e-5 * max|expected|)``."""
+    results = engine.probe_adapter([(n, p.cols) for n, p in probes.items()])
+    problems, seen = [], set()
+    for res in results:
+        for name, readings in res["probes"].items():
+            if name not in probes:
+                continue
+            seen.add(name)
+            exp = probes[name].expected
+            tol = max(atol, 1e-5 * float(exp.abs().max()) if exp.numel() else 0.0)
+            for reading in readings:
+                if "error" in reading:
+                    problems.append(f"{name} (adapter): {reading['error']}")
+                    continue
+                val = _values(reading["values"]).double()
+                if tuple(val.shape) != tuple(exp.shape):
+                    problems.append(f"{name} (adapter): engine returned shape {tuple(val.shape)}, "
+                                    f"expected {tuple(exp.shape)}")
+                    continue
+                diff = float((val - exp).abs().max()) if val.numel() else 0.0
+                if not diff <= tol:  # NaN fails
+                    problems.append(f"{name} (adapter): max |engine - trainer| of scale * B A = {diff:.3g} "
+                                    f"(tolerance {tol:.3g})")
+    problems += [f"{n} (adapter): no engine worker reported it" for n in probes if n not in seen]
+    return problems

@@ -343,6 +343,11 @@ def _write_hf_side_files(tmp: Path, src: Path, cfg: ModelConfig) -> None:
 
 # =============================================================================== trainer loading
 
+def _is_adapter(name: str) -> bool:
+    """A LoRA adapter parameter (``grpo_mega.lora``), which base checkpoints do not hold."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
 def load_mcore_weights(model, ckpt_dir: str | os.PathLike, ps, model_cfg: Optional[ModelConfig] = None,
                        allow_unsafe_load: bool = False, allow_nonfinite: bool = False) -> None:
     """Load a torch_dist checkpoint into this rank's built model (any TP/PP layout).
@@ -367,14 +372,15 @@ def load_mcore_weights(model, ckpt_dir: str | os.PathLike, ps, model_cfg: Option
         _validate_checkpoint(meta, model_cfg, ckpt)
     model = unwrap_model(model)
     from grpo_mega.models import sharded_state_dict
+    # _extra_state: nothing to restore for weights; LoRA adapters: not part of a base checkpoint
     sharded = {k: v for k, v in sharded_state_dict(model, ps).items()
-               if not isinstance(v, ShardedObject)}  # _extra_state: nothing to restore for weights
+               if not isinstance(v, ShardedObject) and not _is_adapter(k)}
     with weights_only_loads(not allow_unsafe_load):
         loaded = dist_checkpointing.load(sharded, str(ckpt))
     if not allow_nonfinite:  # collective, like the load
         check_finite(loaded, ckpt, device=getattr(ps, "device", None))
     result = model.load_state_dict(loaded, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state") and not _is_adapter(k)]
     if missing or result.unexpected_keys:
         raise CheckpointError(f"loading {ckpt} left parameters unset: {missing[:10]} "
                               f"(unexpected: {result.unexpected_keys[:10]})")
@@ -395,6 +401,8 @@ def load_hf_weights(model, hf_dir: str | os.PathLike, ps, model_cfg: Optional[Mo
     off = mcore_layout.expert_offset(model, ps)
     with torch.no_grad():
         for local_name, p in model.named_parameters():
+            if _is_adapter(local_name):
+                continue  # LoRA adapters start from their init, not from the base
             name = mcore_layout.to_global_name(local_name, ps.pp_rank, per, off)
             if name == "output_layer.weight" and cfg.tie_embeddings:
                 name = "embedding.word_embeddings.weight"  # the last stage's tied copy

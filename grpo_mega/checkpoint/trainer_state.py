@@ -1,6 +1,7 @@
 """Checkpoint / resume with megatron-core distributed checkpointing.
 
-A checkpoint holds the model, the optimizer state (Adam moments, and fp32 master
+A checkpoint holds the model (a LoRA model: its adapters alone, plus a reference to the
+frozen base, ``lora_state``), the optimizer state (Adam moments, and fp32 master
 weights when training in bf16, resharded like the model),
 the step, the data position, the LR schedule position and the model shape, and,
 once iterative GRPO has reset it (``algorithm.ref_reset_every``), the reference
@@ -30,7 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from grpo_mega.checkpoint import steps
+from grpo_mega.checkpoint import lora_state, steps
 from grpo_mega.checkpoint.io import (CheckpointError, check_finite, check_object_entries, check_shard_files,
                                      find_corrupt_shard, load_plain, read_index, weights_only_loads)
 from grpo_mega.distributed.state import ParallelState
@@ -63,8 +64,9 @@ def _optimizer_sharded(model_sd: dict, optimizer) -> dict:
             # is an extra sharded axis), so sh.key alone would collide. fp32 moments of
             # a bf16 parameter carry their own dtype.
             extra = {"dtype": tensor.dtype} if "dtype" in {f.name for f in dataclasses.fields(sh)} else {}
+            # view: a LoRA fc1 B is stored as [2, F, r] over its local [2F/tp, r] (lora_state)
             out[f"{name}.{path}"] = dataclasses.replace(
-                sh, key=f"optimizer.{name}.{sh.key}", data=tensor, **extra)
+                sh, key=f"optimizer.{name}.{sh.key}", data=tensor.view(data.shape), **extra)
     return out
 
 
@@ -78,6 +80,15 @@ def _reference_sharded(reference, ps: ParallelState) -> dict:
     sd = {k: v for k, v in sharded_state_dict(reference, ps).items() if not isinstance(v, ShardedObject)}
     add_prefix_for_sharding(sd, REFERENCE_PREFIX)
     return sd
+
+
+def _model_sharded(model, ps: ParallelState) -> dict:
+    """What a checkpoint holds of the model: every parameter, or a LoRA model's adapters
+    alone (``lora_state``; the frozen base is referenced, not stored)."""
+    if lora_state.has_lora(model):
+        from grpo_mega.models.gpt import unwrap_model
+        return lora_state.lora_sharded_state_dict(model, ps, int(unwrap_model(model).config.num_layers))
+    return sharded_state_dict(model, ps)
 
 
 def _barrier():
@@ -182,7 +193,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: Pa
         except CheckpointError as e:  # a foreign directory in the way: every rank stops
             error = str(e)
     _agree_or_raise(error)
-    model_sd = sharded_state_dict(model, ps)
+    model_sd = _model_sharded(model, ps)
     # A DP-sharded optimizer gathers whole per-parameter state for the save, so the
     # files do not depend on dp (or on which optimizer wrote them).
     with optimizer.full_state():
@@ -197,6 +208,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: Pa
     if ps.rank == 0:
         meta = dict(common, step=step, layout={"tp": ps.tp, "pp": ps.pp, "dp": ps.dp},
                     reference_stored=reference is not None)
+        if lora_state.has_lora(model):
+            meta["lora"] = lora_state.base_reference(common.get("model") or {})
         steps.finish(root, tmp, meta, keep_last)
     _barrier()
     return final
@@ -229,6 +242,14 @@ def load_checkpoint(path: str | os.PathLike, model, optimizer, ps: ParallelState
                 f"checkpoint {path} was saved for a different model: "
                 + ", ".join(f"model.{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
                 + "; fix --model.* or point --checkpoint.dir elsewhere")
+    # LoRA: the adapters' shape and base are checked (the base's files hashed) on rank 0.
+    error = None
+    if ps.rank == 0:
+        try:
+            lora_state.check_base(meta, model_cfg, lora_state.has_lora(model), path)
+        except CheckpointError as e:
+            error = str(e)
+    _agree_or_raise(error)
     # A DP-sharded optimizer takes its slices of the whole state (and, in fp32, its
     # master from the loaded weights) when this block ends.
     with optimizer.full_state(write_back=True) if optimizer is not None else nullcontext():
@@ -240,7 +261,8 @@ def _load_into(path: Path, model, optimizer, ps: ParallelState, reference, meta:
                allow_unsafe_load: bool, allow_nonfinite: bool) -> None:
     from megatron.core import dist_checkpointing
 
-    model_sd = sharded_state_dict(model, ps)
+    lora = lora_state.has_lora(model)
+    model_sd = _model_sharded(model, ps)
     sharded = {"model": model_sd}
     if optimizer is not None:
         sharded["optimizer"] = _optimizer_sharded(model_sd, optimizer)
@@ -268,7 +290,8 @@ def _load_into(path: Path, model, optimizer, ps: ParallelState, reference, meta:
     # a refusal stops the run before a step or a save can use them.
     if not allow_nonfinite:
         check_finite(dict(_flatten(loaded)), path, device=getattr(ps, "device", None))
-    model.load_state_dict(loaded["model"], strict=False)
+    if not lora:  # (adapters: torch loaded them in place, into views of the parameters)
+        model.load_state_dict(loaded["model"], strict=False)
     if load_reference:
         reference.load_state_dict(loaded["reference"], strict=False)
     if optimizer is not None:
@@ -282,7 +305,9 @@ def _load_into(path: Path, model, optimizer, ps: ParallelState, reference, meta:
             moment, key = name.split(".", 1)
             p = by_ptr.get(by_key[key].data_ptr()) if key in by_key else None
             if p is not None:
-                optimizer.state_tensors(p)[moment].copy_(tensor)
+                dst = optimizer.state_tensors(p)[moment]
+                if dst.data_ptr() != tensor.data_ptr():  # (torch may have loaded it in place)
+                    dst.copy_(tensor.view(dst.shape))
         optimizer.adam_step = float(any_rank.get("adam_step", 0.0))
         if extra and tuple(extra["layout"]) == (ps.tp, ps.pp, ps.dp):
             restore_rng(extra)

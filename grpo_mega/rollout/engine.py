@@ -71,9 +71,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from grpo_mega.data import shard_for_replica
-from grpo_mega.rollout.samples import check_budgets
-from grpo_mega.rollout.samples import request_seed as _request_seed
-from grpo_mega.rollout.samples import sampled_logprobs as _sampled_logprobs
+from grpo_mega.rollout.lora_adapter import AdapterMixin, lora_engine_kwargs
+from grpo_mega.rollout.samples import (check_budgets, request_seed as _request_seed,
+                                       sampled_logprobs as _sampled_logprobs)
 from grpo_mega.rollout.sleep import SleepPhases
 from grpo_mega.rollout.types import EngineConfig, RolloutBatch, SamplingConfig, logprobs_mode_for, model_runner_env
 from grpo_mega.rollout.worker import clear_dead_weight_files, write_weight_file
@@ -96,9 +96,7 @@ def resolve_engine_mode(mode: str, consecutive_replicas: bool = True) -> str:
     when replicas are blocks of consecutive ranks, else ``child``."""
     _, world = _dist_world()
     if mode == "auto":
-        if world == 1:
-            return "inprocess"
-        return "external_launcher" if consecutive_replicas else "child"
+        return "inprocess" if world == 1 else "external_launcher" if consecutive_replicas else "child"
     if mode == "inprocess" and world > 1:
         raise RuntimeError(
             f"rollout engine_mode='inprocess' inside a torch.distributed world of {world} ranks "
@@ -118,7 +116,7 @@ def child_visible_devices(visible: str | None, index: int) -> str:
     return ids[index]
 
 
-class RolloutEngine(SleepPhases):
+class RolloutEngine(AdapterMixin, SleepPhases):
     """A vLLM engine for one data-parallel replica of the trainer; implements
     :class:`~grpo_mega.rollout.types.RolloutEngineProtocol`.
 
@@ -250,7 +248,7 @@ class RolloutEngine(SleepPhases):
                 kwargs["data_parallel_size"] = self.dp_size
         else:
             kwargs.update(distributed_executor_backend="uni", tensor_parallel_size=1)
-        kwargs.update(cfg.extra)
+        kwargs.update(lora_engine_kwargs(cfg.lora_rank), **cfg.extra)
         return kwargs
 
     def _engine_env(self) -> dict[str, str]:
@@ -385,7 +383,8 @@ class RolloutEngine(SleepPhases):
         params = [self._sampling_params(s, _request_seed(s.seed, step, keys[i], s.n), budgets[i])
                   for i in range(len(ids))]
         start = time.perf_counter()
-        outputs = self.llm.generate(requests, params, use_tqdm=use_tqdm) if requests else []
+        outputs = self.llm.generate(requests, params, use_tqdm=use_tqdm,
+                                    lora_request=self.lora_request) if requests else []
         seconds = time.perf_counter() - start
         batch = RolloutBatch(prompt_ids=[], response_ids=[], logprobs=[], finish_reasons=[],
                              prompt_index=[], group_size=s.n, logprobs_mode=self.logprobs_mode,
@@ -494,6 +493,7 @@ class RolloutEngine(SleepPhases):
                 core.shutdown()
             self.llm = None
             gc.unfreeze()  # what _build_llm froze (vLLM's in-process teardown does it too)
+        self.drop_adapter_dir()
         torch.set_num_threads = self._set_num_threads
 
     close = shutdown

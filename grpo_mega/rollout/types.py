@@ -119,6 +119,9 @@ class EngineConfig:
     is slow), so the first training step is timed fairly."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Further ``vllm.LLM`` keyword arguments, passed unchanged."""
+    lora_rank: int = 0
+    """> 0: the engine serves the base plus one LoRA adapter of up to this rank, loaded by
+    ``load_adapter`` (``model.lora.sync: adapter``; ``rollout.lora_adapter``). 0: none."""
 
     def __post_init__(self) -> None:
         if self.mode not in ENGINE_MODES:

@@ -61,6 +61,10 @@ class WorkerExtension:
     def grpo_mega_probe(self, specs) -> dict:
         return probe_weights(self, specs)
 
+    def grpo_mega_probe_lora(self, lora_id: int, specs) -> dict:
+        from grpo_mega.rollout.lora_adapter import probe_adapter
+        return probe_adapter(self, lora_id, specs)
+
 
 def reload_weights(worker, named_tensors, finish: bool = True) -> int:
     """Runs inside a vLLM worker: load HF-named tensors in place, as part of one reload.
