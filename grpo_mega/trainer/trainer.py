@@ -316,10 +316,12 @@ def engine_config(cfg: Config):
     """The vLLM engine's ``EngineConfig`` from the ``rollout`` section."""
     from grpo_mega.rollout import EngineConfig
     r = cfg.rollout
+    lora = getattr(cfg.model, "lora", None)  # model.lora.sync=adapter: the engine serves base + adapter
     return EngineConfig(model=cfg.model.hf_checkpoint, mode=r.engine_mode, max_model_len=r.max_model_len,
                         gpu_memory_utilization=r.gpu_memory_utilization, colocate=r.sleep_between_rollouts,
                         seed=r.seed, logprobs_mode="processed_logprobs", enforce_eager=r.enforce_eager,
                         model_runner=r.model_runner,
+                        lora_rank=lora.rank if lora is not None and lora.sync == "adapter" else 0,
                         extra={} if cfg.logging.verbose else {"use_tqdm_on_load": False})
 
 
