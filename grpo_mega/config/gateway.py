@@ -58,7 +58,14 @@ class GatewaySection:
     ``rollout.max_new_tokens`` per reply."""
     episode_timeout_seconds: float = 600.0
     """How long a rollout waits for its episodes to be finished (``POST
-    /episodes/<id>/finish``); past it the run stops, naming the unfinished episodes."""
+    /episodes/<id>/finish``); past it each unfinished episode is ended by the trainer
+    (its later calls get 409), scored ``gateway.error_reward`` and counted in
+    ``episode_env_errors``; the run goes on. The run stops only when the agent program it
+    started has exited."""
+    error_reward: Optional[float] = 0.0
+    """The reward of an episode the trainer ended at ``gateway.episode_timeout_seconds``
+    (its tokens so far are trained with it, as an environment error's). None: the
+    episode's whole group is dropped from training (counted in ``episodes_dropped``)."""
     max_connections: int = 256
     """Most connections the gateway serves at once (one thread each); set it above the
     number of agents running side by side."""

@@ -87,7 +87,10 @@ def worker(url: str, key: str, stop: threading.Event) -> None:
             except openai.APIStatusError as e:  # a refused call ends the episode, reward 0
                 print(f"[agent] episode {task['episode_id']}: {e.status_code} {e.message}", file=sys.stderr)
                 reward = 0.0
-        _post(f"{url}/episodes/{task['episode_id']}/finish", key, {"reward": reward})
+        try:
+            _post(f"{url}/episodes/{task['episode_id']}/finish", key, {"reward": reward})
+        except urllib.error.HTTPError as e:  # 404/409: the trainer ended the episode (too slow)
+            print(f"[agent] episode {task['episode_id']}: finish refused: {e.code}", file=sys.stderr)
 
 
 def main() -> int:

@@ -128,8 +128,9 @@ class Gateway:
                                    f"GatewayConfig.max_open_episodes allows; collect or discard finished ones "
                                    "(Gateway.collect / Gateway.discard) before opening more",
                                    param="id", code="too_many_episodes")
-            self._episodes[episode_id] = Episode(episode_id, self._serial if key is None else key, prompt_index,
-                                                 metadata)
+            ep = self._episodes[episode_id] = Episode(episode_id, self._serial if key is None else key,
+                                                      prompt_index, metadata)
+            ep.task = task
             self._serial += 1
             if task is not None:
                 self._tasks.append({"episode_id": episode_id, "prompt_index": prompt_index, **task})
@@ -159,6 +160,29 @@ class Gateway:
         """The ids among ``episode_ids`` still held and not finished."""
         with self._lock:
             return [i for i in episode_ids if i in self._episodes and not self._episodes[i].finished]
+
+    def busy(self, episode_ids: Sequence[str]) -> list[str]:
+        """The ids among ``episode_ids`` with a call being served (its episode's lock held):
+        a pumped gateway must serve these before ``collect``, which waits for them."""
+        with self._lock:
+            eps = [self._episodes.get(i) for i in episode_ids]
+        return [e.id for e in eps if e is not None and e.lock.locked()]
+
+    def expire(self, episode_ids: Sequence[str], reason: str) -> list[str]:
+        """End the unfinished episodes among ``episode_ids`` for the trainer (an agent past
+        its time): later calls get 409, a call already being served still completes, and
+        ``collect`` scores them ``error_reward``. Returns the ids ended. Takes no
+        episode's lock (a call holding one may wait for the pump that calls this)."""
+        ended = []
+        with self._lock:
+            for i in episode_ids:
+                ep = self._episodes.get(i)
+                if ep is not None and not ep.finished:
+                    ep.error, ep.finished = reason, True
+                    ended.append(i)
+            self._tasks = collections.deque(t for t in self._tasks if t["episode_id"] not in set(ended))
+            self._lock.notify_all()
+        return ended
 
     def episode(self, episode_id: str, *, create: bool = False) -> Episode:
         with self._lock:
@@ -351,11 +375,14 @@ class Gateway:
 
     # -- the trainer's side --------------------------------------------------
     def collect(self, episode_ids: Sequence[str], group_size: int = 1,
-                default_reward: Optional[float] = None) -> RolloutBatch:
+                default_reward: Optional[float] = None, error_reward: Optional[float] = 0.0) -> RolloutBatch:
         """The episodes as one ``RolloutBatch``, in the order given (group-major: the
         ``group_size`` episodes of prompt 0, then of prompt 1, ...), finished and removed from
         the gateway. ``prompt_index``: each episode's own, else its position // group_size.
         ``default_reward``: the reward of episodes that reported none (None: that is an error).
+        Episodes ended by ``expire`` get ``error_reward`` (None: 0.0, and the caller drops
+        their groups: ``episode_info["error"]`` names why); one with no call yet is a row of
+        its task's prompt and one end-of-turn token, masked out (it keeps its group's shape).
         An episode with a call sampled at another temperature, top-p or top-k than the
         gateway's sampling now (``set_sampling`` changed it while the episode ran) is refused:
         its log-probs describe another distribution than the batch's."""
@@ -372,20 +399,18 @@ class Gateway:
         for k, ep in enumerate(eps):
             with ep.lock:  # waits for a call still running
                 ep.finished = True
-                if not ep.prompt_ids:
-                    problems.append(f"{ep.id}: no chat call (discard it, or let its agent run)")
-                    continue
-                if ep.reward is None and default_reward is None:
-                    problems.append(f"{ep.id}: no reward reported (POST /episodes/{ep.id}/reward, "
-                                    "or pass default_reward)")
-                    continue
-                other = [u for u in ep.sampling_used if [_canonical(k, v) for k, v in zip(_SAMPLED, u)] != want]
-                if other:
-                    problems.append(f"{ep.id}: sampled at (temperature, top_p, top_k) {other[0]}, not the "
-                                    f"trainer's {want}; discard it")
-                    continue
-                row = ep.sample(self.codec)
-                modes.add(ep.logprobs_mode)
+                if ep.error is not None:  # ended by the trainer: scored error_reward, never refused
+                    row = self._error_row(ep)
+                    ep.reward = float(error_reward) if error_reward is not None else 0.0
+                    if ep.prompt_ids:
+                        modes.add(ep.logprobs_mode)
+                else:
+                    why = self._unusable(ep, want, default_reward)
+                    if why:
+                        problems.append(f"{ep.id}: {why}")
+                        continue
+                    row = ep.sample(self.codec)
+                    modes.add(ep.logprobs_mode)
                 index = ep.prompt_index if ep.prompt_index is not None else k // group_size
             batch.prompt_ids.append(row["prompt_ids"])
             batch.response_ids.append(row["response_ids"])
@@ -415,6 +440,36 @@ class Gateway:
                 self._collected.popitem(last=False)
             self._lock.notify_all()
         return batch
+
+    @staticmethod
+    def _unusable(ep: Episode, want: list, default_reward: Optional[float]) -> Optional[str]:
+        """Why ``collect`` cannot train the episode as it stands (None: it can)."""
+        if not ep.prompt_ids:
+            return "no chat call (discard it, or let its agent run)"
+        if ep.reward is None and default_reward is None:
+            return f"no reward reported (POST /episodes/{ep.id}/reward, or pass default_reward)"
+        other = [u for u in ep.sampling_used if [_canonical(k, v) for k, v in zip(_SAMPLED, u)] != want]
+        if other:
+            return f"sampled at (temperature, top_p, top_k) {other[0]}, not the trainer's {want}; discard it"
+        return None
+
+    def _error_row(self, ep: Episode) -> dict[str, Any]:
+        """An ended episode's sample: its trajectory so far, or, with no call served, its
+        task's prompt and one end-of-turn token, masked out (nothing to train, one row kept
+        for the group's shape)."""
+        if ep.prompt_ids:
+            return ep.sample(self.codec)
+        messages = list((ep.task or {}).get("messages") or [])
+        try:
+            prompt = list(self.codec.first_ids(messages, [])) if messages else [self.codec.eot_id]
+        except ValueError:  # a template refusing the task's messages: the row is masked out anyway
+            prompt = [self.codec.eot_id]
+        info = {"episode_id": ep.id, "turns": 0, "tool_calls": 0, "tool_errors": 0, "env_tokens": 0,
+                "token_mismatch": 0, "problems": [], "calls": 0, "rewinds": 0, "restarts": 0,
+                "dropped_model_tokens": 0, "sampling": [], "sampling_overridden": 0,
+                "reward_reported": False, "metadata": ep.metadata, "env_error": 1, "error": ep.error}
+        return {"prompt_ids": prompt, "response_ids": [self.codec.eot_id], "logprobs": [0.0],
+                "response_mask": [0], "finish_reason": "error", "text": "", "info": info}
 
     def close(self) -> None:
         """Stop the engine thread (the HTTP server is closed by its own ``close``)."""

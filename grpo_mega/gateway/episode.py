@@ -106,6 +106,8 @@ class Episode:
         self.logprobs_mode: Optional[str] = None
         self.seconds = 0.0
         self.text = ""
+        self.task: Optional[dict] = None    # what the agent was handed (``open_episode(task=)``)
+        self.error: Optional[str] = None    # why the trainer ended it (``Gateway.expire``)
 
     # -- deciding ------------------------------------------------------------
     def plan(self, codec, messages: list[Message], tools: list[dict]) -> Plan:
@@ -221,7 +223,8 @@ class Episode:
                 "problems": problems[:3], "calls": self.calls, "rewinds": self.rewinds,
                 "restarts": self.restarts, "dropped_model_tokens": self.dropped_model_tokens,
                 "sampling": self.sampling_used, "sampling_overridden": self.sampling_overridden,
-                "reward_reported": self.reward is not None, "metadata": self.metadata}
+                "reward_reported": self.reward is not None, "metadata": self.metadata,
+                "env_error": int(self.error is not None), "error": self.error}
         return {"prompt_ids": list(self.prompt_ids), "response_ids": list(self.ids),
                 "logprobs": list(self.logprobs), "response_mask": list(self.mask),
                 "finish_reason": "stop" if self.last_closed else "length", "text": self.text, "info": info}

@@ -12,8 +12,10 @@ from __future__ import annotations
 METRICS: dict[str, tuple[str, str]] = {
     "step": ("count", "GRPO step; 0 is the evaluation before training"),
     "time": ("Unix seconds", "wall-clock time the row was written"),
-    # rollout and reward (stage reward), over every sample of the step (every DAPO round)
-    "reward_mean": ("reward", "mean total reward of the step's samples (weighted sum of reward.functions)"),
+    # rollout and reward (stage reward), over every trained sample of the step (every DAPO round;
+    # not the groups dropped from training, which episodes_dropped counts)
+    "reward_mean": ("reward", "mean total reward of the step's trained samples (weighted sum of "
+                              "reward.functions; dropped groups left out)"),
     "reward_std": ("reward", "standard deviation of the samples' total rewards"),
     "accuracy": ("fraction", "share of samples whose reward is >= 1 (solved)"),
     "response_len": ("tokens", "mean response length"),
@@ -29,10 +31,12 @@ METRICS: dict[str, tuple[str, str]] = {
                                 "template's rendering (0 by construction; anything else is a bug)"),
     "episode_env_tokens": ("tokens", "tokens per episode appended from the environment (never trained on)"),
     "episode_env_errors": ("fraction", "share of episodes ended by their environment's error (step raised, "
-                                       "outlasted env.step_timeout_seconds or the turn budget); reward "
-                                       "env.error_reward, the run goes on"),
+                                       "outlasted env.step_timeout_seconds or the turn budget; gateway mode: "
+                                       "not finished within gateway.episode_timeout_seconds); reward "
+                                       "env.error_reward (gateway.error_reward), the run goes on"),
     "episodes_dropped": ("fraction", "share of episodes not trained on: their group held an episode that is "
-                                     "not token-exact (or an environment error under env.error_reward=null); "
+                                     "not token-exact (or an environment error under env.error_reward=null, "
+                                     "a timed-out agent under gateway.error_reward=null); "
                                      "every token's loss mask 0"),
     # DAPO dynamic sampling (algorithm.dynamic_sampling)
     "dapo_rounds": ("count", "sampling rounds this step took"),

@@ -16,10 +16,18 @@ Outside a rollout nothing drives the engines: a call arriving while the trainer 
 and syncs weights waits in the gateway's queue (the engines are paused around the sync).
 The trainer's sampling (``rollout.*``) is the gateway's; requests asking otherwise are
 refused or overridden (``gateway.sampling_policy``).
+
+Episodes never stop the run: one not finished within ``gateway.episode_timeout_seconds``
+is ended by the trainer (``Gateway.expire``; a call of it being served still completes)
+and scored ``gateway.error_reward``; with that None, or when an episode is not
+token-exact, its whole group is dropped (every mask entry 0, ``episode_info["dropped"]``)
+because the other episodes' advantages are relative to it. Only an agent program the
+trainer started and that has exited stops the run (nobody would play the episodes).
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import subprocess
@@ -30,7 +38,9 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-__all__ = ["GatewayRun", "build_gateway", "play_gateway"]
+__all__ = ["GatewayRun", "build_gateway", "drop_groups", "play_gateway"]
+
+log = logging.getLogger(__name__)
 
 _POLL_S = 0.02
 """How long rank 0 waits for agents' calls before the ranks check in together again."""
@@ -39,13 +49,17 @@ _POLL_S = 0.02
 class GatewayRun:
     """The gateway, its server and the agent process (rank 0; None elsewhere)."""
 
-    def __init__(self, gateway: Any = None, server: Any = None, agent: Optional[subprocess.Popen] = None):
-        self.gateway, self.server, self.agent = gateway, server, agent
+    def __init__(self, gateway: Any = None, server: Any = None, agent: Optional[subprocess.Popen] = None,
+                 say=print):
+        self.gateway, self.server, self.agent, self.say = gateway, server, agent, say
         self.rounds = 0
+        self.served: list[int] = []
+        """Calls served by each engine replica so far (rank 0; the log's closing line)."""
 
     def close(self) -> None:
         """End the tasks (the agent's next ask is a 410: it exits), stop the agent, the server."""
         if self.gateway is not None:
+            self.say(f"gateway: calls served per engine replica: {self.served}")
             self.gateway.end_tasks()
         if self.agent is not None and self.agent.poll() is None:
             try:
@@ -92,7 +106,7 @@ def build_gateway(cfg, tokenizer, rank: int, say=print) -> Optional[GatewayRun]:
     say(f"gateway: serving on {server.url} (key in {info}); "
         + (f"agent started: {' '.join(g.agent_command)} (pid {agent.pid})" if agent else
            "start the agent yourself (gateway.agent_command is empty)"))
-    return GatewayRun(gateway, server, agent)
+    return GatewayRun(gateway, server, agent, say)
 
 
 def _task(p) -> dict:
@@ -118,34 +132,62 @@ def play_gateway(t, prompts: list, step: int, sampling=None, mini_batches: int =
                 ids.append(run.gateway.open_episode(f"s{step}r{run.rounds}p{i}e{j}", prompt_index=i, key=i * n + j,
                                                     task=_task(p)))
     t.engine.resume()
-    _pump(t, run, ids, t.cfg.gateway.episode_timeout_seconds)
-    box = [run.gateway.collect(ids, group_size=n).to_dict() if run.gateway is not None else None]
+    g = t.cfg.gateway
+    _pump(t, run, ids, g.episode_timeout_seconds)
+    box = [drop_groups(run.gateway.collect(ids, group_size=n, error_reward=g.error_reward), g.error_reward).to_dict()
+           if run.gateway is not None else None]
     if t.ps.world_size > 1:
         dist.broadcast_object_list(box, src=0)
     return prompt_slice(RolloutBatch.from_dict(box[0]), len(prompts), t.ps.dp_rank, t.ps.dp, mini_batches)
 
 
+def drop_groups(batch, error_reward: Optional[float]):
+    """Drop from training (every mask entry 0, ``episode_info["dropped"] = 1``) each group
+    of ``batch.group_size`` episodes holding one that is not token-exact or, with
+    ``error_reward`` None, one the trainer ended (``info["error"]``); returns ``batch``."""
+    g = batch.group_size
+    bad = {k // g for k, info in enumerate(batch.episode_info)
+           if info.get("token_mismatch") or (info.get("error") is not None and error_reward is None)}
+    for k, info in enumerate(batch.episode_info):
+        info["dropped"] = int(k // g in bad)
+        if info["dropped"]:
+            batch.response_mask[k] = [0] * len(batch.response_mask[k])
+    if bad:
+        log.warning("gateway: %d of %d groups dropped from training (an episode not token-exact, or ended "
+                    "with gateway.error_reward=None)", len(bad), len(batch.episode_info) // g)
+    return batch
+
+
 def _pump(t, run: GatewayRun, ids: list[str], timeout: float) -> None:
-    """Serve the agents' calls until every episode in ``ids`` is finished (all ranks)."""
+    """Serve the agents' calls until every episode in ``ids`` is finished and none has a
+    call being served (all ranks). Past ``timeout`` the unfinished ones are ended."""
     world, deadline = t.ps.world_size, time.monotonic() + timeout
     while True:
         msg: dict = {}
         if run.gateway is not None:
-            jobs = run.gateway.batcher.take(_POLL_S)
-            left = [] if jobs else run.gateway.unfinished(ids)
-            late = bool(left) and time.monotonic() > deadline
+            gw = run.gateway
+            jobs = gw.batcher.take(_POLL_S)
+            left = gw.unfinished(ids)
+            if left and time.monotonic() > deadline:  # checked while calls keep coming too
+                ended = gw.expire(left, f"not finished within gateway.episode_timeout_seconds={timeout}")
+                log.warning("gateway: %d episodes not finished within gateway.episode_timeout_seconds=%s were "
+                            "ended, scored gateway.error_reward (e.g. %s)", len(ended), timeout, ended[:3])
+                left = []
+            if not jobs and not left:  # ended episodes' calls already taken still complete
+                left = gw.busy(ids)
+            exited = run.agent.poll() if run.agent is not None else None
             msg = {"jobs": [(j.prompt, j.sampling, j.step, j.key, j.budget) for j in jobs],
-                   "done": not jobs and not left, "late": left[:5] if late else []}
+                   "done": not jobs and not left, "exited": exited}
         if world > 1:
             box = [msg]
             dist.broadcast_object_list(box, src=0)
             msg = box[0]
-        if msg["late"]:
-            raise RuntimeError(f"gateway: episodes {msg['late']} (and maybe more) were not finished within "
-                               f"gateway.episode_timeout_seconds={timeout}: is the agent running and reporting "
-                               "POST /episodes/<id>/finish? (--gateway.episode_timeout_seconds)")
         if msg["done"]:
             return
+        if msg["exited"] is not None:
+            raise RuntimeError(f"gateway: the agent program (gateway.agent_command) exited with code "
+                               f"{msg['exited']} while {len(ids)} episodes were being played; nobody will "
+                               "finish them (see its output above)")
         if msg["jobs"]:
             results = _generate(t, msg["jobs"])
             if run.gateway is not None:
@@ -174,14 +216,22 @@ def _generate(t, specs: list[tuple]) -> dict[int, Any]:
         except Exception as e:  # noqa: BLE001 - answered to the calls (the gateway names it)
             out_all.update({k: (type(e).__name__, str(e)) for k in mine})
     if t.ps.world_size == 1:
+        _count(t.gateway, 0, len(out_all))
         return out_all
     leads = t.ps.rank == engine.replica_leader
     gathered: Optional[list] = [None] * t.ps.world_size if t.ps.rank == 0 else None
-    dist.gather_object(out_all if leads else {}, gathered, dst=0)
+    dist.gather_object((engine.dp_rank, out_all) if leads else None, gathered, dst=0)
     merged: dict[int, Any] = {}
     for part in gathered or []:
-        merged.update(part or {})
+        if part is not None:
+            merged.update(part[1])
+            _count(t.gateway, part[0], len(part[1]))
     return merged
+
+
+def _count(run: GatewayRun, replica: int, n: int) -> None:
+    run.served += [0] * (replica + 1 - len(run.served))
+    run.served[replica] += n
 
 
 def _deliver(jobs: list, results: dict[int, Any]) -> None:

@@ -190,14 +190,20 @@ def reward(t: Trainer, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list
     """Rewards of this replica's samples (floats, or StepScores with process supervision),
     and reward / accuracy / length statistics over the global batch (all replicas)."""
     rewards, failures = _score(t, prompts, batch)
-    r = torch.tensor([_scalar(v) for v in rewards], dtype=torch.float64)
-    lens = torch.tensor(batch.response_lengths, dtype=torch.float64)
-    truncated = sum(f == "length" for f in batch.finish_reasons)
+    # Only trained samples count: a group dropped from training (an episode not token-exact,
+    # or an error without error_reward; episode_info["dropped"]) would skew the reward
+    # statistics; the episode metrics (episodes_dropped among them) count every episode.
+    kept = torch.tensor([not (i or {}).get("dropped") for i in batch.episode_info] if batch.episode_info
+                        else [True] * len(rewards), dtype=torch.float64)
+    r = torch.tensor([_scalar(v) for v in rewards], dtype=torch.float64) * kept
+    lens = torch.tensor(batch.response_lengths, dtype=torch.float64) * kept
+    truncated = sum(f == "length" and bool(k) for f, k in zip(batch.finish_reasons, kept))
     extra = []
     if t.episodes is not None or t.gateway is not None:
         from grpo_mega.trainer.episodes import EPISODE_KEYS, episode_stats
         extra = episode_stats(batch)
-    v = torch.tensor([r.sum(), (r * r).sum(), float(len(r)), (r >= 1.0).sum(), lens.sum(), truncated, *extra],
+    v = torch.tensor([r.sum(), (r * r).sum(), kept.sum(), ((r >= 1.0) * kept).sum(), lens.sum(), truncated,
+                      float(len(rewards)), *extra],
                      dtype=torch.float64, device=t.ps.device)  # NCCL groups take device tensors only
     if t.ps.dp > 1:
         dist.all_reduce(v, group=t.ps.dp_group)
