@@ -286,6 +286,13 @@ def support_page() -> str:
                         for s in scale) + " | `tests/integration/test_scale_configs.py` |",
             "| multi-turn episodes (the tool demo, DAPO refill) equal the single-process run | "
             "PP2 x DP2 (engine TP2) | `tests/integration/test_layouts_multi_turn.py` |",
+            "| asynchronous GRPO (`rollout.placement: separate`): S = 0 equals the synchronous loop; SIGKILLs "
+            "mid-generation, update and sync at S = 1 with DAPO rounds, every prompt once | one trainer rank; "
+            "DP2 beside one engine process | `tests/integration/test_async.py` |",
+            "| asynchronous GRPO with multi-turn episodes and DAPO: each turn's tokens keep their version across "
+            "an update landing mid-episode, the bound per token across turns, DAPO rounds in data order across "
+            "a kill | two engine processes; the pipeline in-process | `tests/unit/rollout/test_remote_engine.py`, "
+            "`tests/unit/trainer/test_async_episodes_dapo.py` |",
             "| MoE logits, loss, gradients (world 4) | "
             + ", ".join(lay(tp=tp, ep=ep) for tp, ep, _ in dict.fromkeys((tp, ep, 0) for tp, ep, _ in moe))
             + " | `tests/unit/models/test_moe.py` |",

@@ -65,13 +65,9 @@ def _check_separate(cfg: Config) -> None:
         raise ConfigError(f"rollout.placement=separate runs each engine on one device; rollout.tp="
                           f"{r.tp or cfg.parallel.tp} is not supported there yet: set --rollout.tp=1 "
                           "(more engines: --rollout.engines)")
-    if cfg.env.name:
-        raise ConfigError("rollout.placement=separate does not play multi-turn episodes yet (env.name="
-                          f"{cfg.env.name!r}); use --rollout.placement=colocated")
-    if a.dynamic_sampling:
-        raise ConfigError("algorithm.dynamic_sampling draws extra prompts mid-step, which the asynchronous "
-                          "pipeline's prompt accounting does not follow yet: use --algorithm.dynamic_sampling="
-                          "false with --rollout.placement=separate")
+    # Multi-turn episodes (env.name) and DAPO (algorithm.dynamic_sampling) are supported here:
+    # episodes are played against the engine servers with per-token version stamps across
+    # turns, and DAPO rounds take the pipeline's next draws in data order (trainer.pipeline).
     if r.engine_devices and len(r.engine_devices) != r.engines:
         raise ConfigError(f"rollout.engine_devices lists {len(r.engine_devices)} device(s) for "
                           f"rollout.engines={r.engines} engines of one device each (--rollout.engine_devices)")

@@ -131,7 +131,8 @@ def _check_env(cfg: Config, world_size: Optional[int] = None) -> None:
         raise ConfigError(f"rollout.stop={cfg.rollout.stop} with env.name={e.name!r}: a turn ended by a stop "
                           "string has no end-of-turn token, yet the environment's reply would follow it; "
                           "episodes end turns at the chat template's end-of-turn token (--rollout.stop=[])")
-    if e.scheduling == "async" and ((world_size or 1) > 1 or cfg.rollout.engine_mode not in ("auto", "inprocess")):
+    if e.scheduling == "async" and cfg.rollout.placement != "separate" and (
+            (world_size or 1) > 1 or cfg.rollout.engine_mode not in ("auto", "inprocess")):
         raise ConfigError(f"env.scheduling=async steps the in-process engine of a one-process job, not {world_size} "
                           f"process(es) with rollout.engine_mode={cfg.rollout.engine_mode!r} (--env.scheduling=lockstep)")
     if e.step_timeout_seconds is not None and not e.step_timeout_seconds > 0:

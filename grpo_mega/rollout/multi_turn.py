@@ -150,12 +150,23 @@ class _Episode:
     finish: Optional[str] = None  # None while running
     text: str = ""                # the last assistant message's content
     error: Optional[str] = None   # the environment error that ended the episode
+    versions: Optional[list[int]] = None
+    """Per token of ``ids``, the policy version that sampled it (asynchronous GRPO: a turn
+    engine that stamps its tokens); None when no turn was stamped."""
 
-    def add(self, kind: str, ids: list[int], logprobs: Optional[list[float]] = None) -> None:
+    def add(self, kind: str, ids: list[int], logprobs: Optional[list[float]] = None,
+            versions: Optional[list[int]] = None) -> None:
         self.ids += ids
         self.mask += [1 if kind == "model" else 0] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
         self.segments.append((kind, list(ids)))
+        if versions is not None:  # a stamped model turn: its tokens' own versions
+            if len(versions) != len(ids):
+                raise ValueError(f"episode {self.key}: {len(versions)} versions for a turn of {len(ids)} tokens")
+            self.versions = (self.versions or []) + list(versions)
+        elif self.versions is not None:  # the environment's reply: never trained (mask 0), so
+            # its stamp only keeps the list aligned; the last model token's version
+            self.versions += [self.versions[-1] if self.versions else 0] * len(ids)
 
 
 def turn_sampling(sampling: SamplingConfig, codec: TurnCodec) -> SamplingConfig:
@@ -277,9 +288,11 @@ def room(e: _Episode, limits: EpisodeLimits) -> int:
     return min(limits.max_tokens - len(e.ids), limits.max_model_len - len(e.prompt_ids) - len(e.ids))
 
 
-def take_turn(codec: TurnCodec, e: _Episode, ids: list[int], lps: list[float], finish: str) -> None:
-    """Append one sampled turn to its episode and parse it into the conversation."""
-    e.add("model", ids, lps)
+def take_turn(codec: TurnCodec, e: _Episode, ids: list[int], lps: list[float], finish: str,
+              versions: Optional[list[int]] = None) -> None:
+    """Append one sampled turn to its episode and parse it into the conversation;
+    ``versions``: per token, the policy version that sampled it (a stamping engine)."""
+    e.add("model", ids, lps, versions)
     e.turns += 1
     msg = codec.parse(ids)
     e.messages.append(msg)
@@ -401,6 +414,9 @@ def _to_batch(codec: TurnCodec, episodes: list[_Episode], g: int, seconds: float
             e.reward = float(error_reward)
     dropped = {k // g for k, (e, p) in enumerate(zip(episodes, problems))
                if p or (e.error is not None and error_reward is None)}
+    # Asynchronous GRPO: each turn's tokens keep the version that sampled them, so an episode
+    # that spans weight updates carries several (the staleness bound is per token).
+    stamped = any(e.versions is not None for e in episodes)
     for k, (e, p) in enumerate(zip(episodes, problems)):
         drop = k // g in dropped
         batch.prompt_ids.append(e.prompt_ids)
@@ -412,6 +428,8 @@ def _to_batch(codec: TurnCodec, episodes: list[_Episode], g: int, seconds: float
         batch.prompt_index.append(e.prompt_index)
         batch.texts.append(e.text)
         batch.episode_rewards.append(0.0 if e.error is not None and error_reward is None else e.reward)
+        if stamped:
+            batch.versions.append(list(e.versions or []))
         batch.episode_info.append({"turns": e.turns, "tool_calls": e.tool_calls, "tool_errors": e.tool_errors,
                                    "env_tokens": len(e.mask) - sum(e.mask),
                                    "token_mismatch": len(p), "problems": p[:3],

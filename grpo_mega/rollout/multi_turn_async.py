@@ -58,8 +58,10 @@ class TurnEngine(Protocol):
         """Requests in flight."""
         ...
 
-    def step(self) -> list[tuple[int, list[int], list[float], str]]:
-        """One engine step; the requests it finished, as (key, token ids, log-probs, finish)."""
+    def step(self) -> list[tuple]:
+        """One engine step; the requests it finished, as (key, token ids, log-probs, finish),
+        or with a fifth item, the per-token policy versions, from an engine that stamps them
+        (asynchronous GRPO: ``rollout.multi_turn_remote.RemoteTurns``)."""
         ...
 
 
@@ -86,9 +88,11 @@ class StepperTurns:
 
 def run_episodes_async(turns: TurnEngine, codec: TurnCodec, make_env: Callable[[], Environment],
                        rows: Sequence[dict], sampling: SamplingConfig, limits: EpisodeLimits, *, step: int,
-                       offset: int = 0) -> RolloutBatch:
+                       offset: int = 0, keys: Optional[Sequence[int]] = None) -> RolloutBatch:
     """``sampling.n`` episodes for each of ``rows`` (prompt ``offset + i``), group-major, as
-    ``multi_turn.run_episodes`` returns them; see the module docstring."""
+    ``multi_turn.run_episodes`` returns them; see the module docstring. ``keys``: each row's
+    seed index (default ``offset + i``; asynchronous GRPO re-plays over-stale groups under
+    their first keys). Turns that come back stamped keep their versions per token."""
     g, one = sampling.n, turn_sampling(sampling, codec)
     envs: dict[int, Environment] = {}
     episodes: list[_Episode] = []
@@ -117,7 +121,7 @@ def run_episodes_async(turns: TurnEngine, codec: TurnCodec, make_env: Callable[[
     try:
         for i, row in enumerate(rows):
             for j in range(g):
-                key = (offset + i) * g + j
+                key = (offset + i if keys is None else keys[i]) * g + j
                 env = envs[key] = make_env()
                 messages, tools = list(env.reset(row)), [t.schema() for t in env.tools]
                 episodes.append(_Episode(key=key, prompt_index=offset + i, prompt_ids=codec.first_ids(messages, tools),
@@ -126,9 +130,9 @@ def run_episodes_async(turns: TurnEngine, codec: TurnCodec, make_env: Callable[[
         for e in episodes:
             ask(e)
         while turns.busy or running:
-            for key, ids, lps, finish in (turns.step() if turns.busy else []):
+            for key, ids, lps, finish, *stamps in (turns.step() if turns.busy else []):
                 e = by_key[key]
-                take_turn(codec, e, ids, lps, finish)
+                take_turn(codec, e, ids, lps, finish, stamps[0] if stamps else None)
                 if e.finish is not None:
                     continue
                 if e.messages[-1].get("tool_calls"):  # a tool call: in a worker, while the engine steps

@@ -20,7 +20,8 @@ from grpo_mega.preflight.env_budget import check_env_budget, turn_budget_seconds
 from grpo_mega.rollout.multi_turn import EpisodeLimits
 from grpo_mega.rollout.multi_turn_layout import generate_episodes
 
-__all__ = ["EpisodeSetup", "build_episodes", "check_env_budget", "play", "episode_stats"]
+__all__ = ["EpisodeSetup", "build_episodes", "check_env_budget", "play", "prompt_row", "episode_source",
+           "episode_stats"]
 
 
 class EpisodeSetup:
@@ -28,6 +29,8 @@ class EpisodeSetup:
 
     def __init__(self, codec, make_env: Callable[[], Any], limits: EpisodeLimits):
         self.codec, self.make_env, self.limits = codec, make_env, limits
+        self.remote: Optional[Any] = None
+        """``rollout.placement: separate``: global rank 0's ``RemoteEpisodes`` (``episode_source``)."""
 
 
 def build_episodes(cfg, tokenizer) -> Optional[EpisodeSetup]:
@@ -52,8 +55,7 @@ def play(t, prompts: list, step: int, sampling=None, mini_batches: int = 1) -> A
     see ``rollout.layout.prompt_slice``); ``t`` is the ``Trainer`` (not imported:
     ``trainer.py`` imports this module)."""
     engine, setup = t.engine, t.episodes
-    rows = [{"messages": [dict(m) for m in p.messages], "prompt": p.text, "answer": p.reference,
-             "uid": p.uid, **dict(p.metadata)} for p in prompts]
+    rows = [prompt_row(p) for p in prompts]
     leader = engine.replica_leader
     shared = t.ps.world_size > 1 and dist.get_world_size(engine.replica_group) > 1
     group = engine.replica_group if shared else None
@@ -71,6 +73,23 @@ def play(t, prompts: list, step: int, sampling=None, mini_batches: int = 1) -> A
                              setup.limits, step=step, to_rank=t.ps.dp_rank, to_size=t.ps.dp,
                              share=share, any_active=any_active, mini_batches=mini_batches,
                              scheduling=t.cfg.env.scheduling)
+
+
+def prompt_row(p) -> dict:
+    """The environment's row of a dataset ``Prompt`` (what ``env.reset`` reads)."""
+    return {"messages": [dict(m) for m in p.messages], "prompt": p.text, "answer": p.reference,
+            "uid": p.uid, **dict(p.metadata)}
+
+
+def episode_source(t) -> Any:
+    """Separate engines (``rollout.placement: separate``, global rank 0): the episodes'
+    ``submit``/``collect`` over ``t.engine`` (``rollout.multi_turn_remote.RemoteEpisodes``,
+    built once), which the asynchronous pipeline calls as it calls the engines."""
+    setup = t.episodes
+    if setup.remote is None:
+        from grpo_mega.rollout.multi_turn_remote import RemoteEpisodes
+        setup.remote = RemoteEpisodes(t.engine, setup.codec, setup.make_env, setup.limits, to_row=prompt_row)
+    return setup.remote
 
 
 def episode_stats(batch) -> list[float]:

@@ -23,6 +23,20 @@ Guarantees, and how:
   none is trained twice; ``prompts.jsonl`` in the run directory records each step's prompt
   uids so the accounting can be checked.
 * **S = 0** never builds a pipeline with colocated engines: the loop is today's code.
+* **Multi-turn episodes** (``env.name``): a ticket is whole episodes, played against the
+  engines while the trainer updates (``rollout.multi_turn_remote``); a weight update can land
+  between two turns of an episode or inside one, and every turn's tokens keep the version
+  that sampled them, so the bound above holds per token across turns (the environment's
+  tokens are never trained and never count). Past it the whole group is dropped and played
+  again on the current weights, as for single-turn: masking only the stale turns would
+  still train the later turns on a reward the stale ones earned, and a partial group would
+  move the others' advantages.
+* **DAPO dynamic sampling** (``algorithm.dynamic_sampling``): a step that needs more groups
+  with a reward spread takes the *next* draws in flight (``take(.., round=r)``), and draws
+  one on the current weights when none is left; draws are consumed in the order they were
+  drawn, so the checkpointed position (before the oldest draw in flight) still covers
+  every prompt exactly once, dropped groups included (they were consumed, not skipped).
+  A draw taken early is younger than its step's bound, never older.
 
 Liveness: while global rank 0 collects (and re-samples over-stale groups), every other rank
 waits in one collective (``run_on_src``) under the collective timeout
@@ -36,6 +50,7 @@ collective timeout).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import deque
@@ -69,14 +84,27 @@ def collect_budget_seconds(cfg) -> float:
 
 @dataclass
 class InFlight:
-    """One step's prompts, submitted to the engines and not yet trained on."""
+    """One draw of ``data.prompts_per_step`` prompts, submitted to the engines and not yet
+    consumed by a step."""
 
     step: int
+    """The step it was drawn for (its samples' seeds); a DAPO step may consume later ones."""
     prompts: list[Prompt]
     data_before: dict
     """The dataset position before these prompts were drawn (what a checkpoint stores)."""
     ticket: Any = None
     """The engines' handle for the request (global rank 0 only)."""
+    sampling: Any = None
+    """Its sampling when not the engines' default (a DAPO round drawn on demand)."""
+
+
+def rollout_source(t: Trainer) -> Any:
+    """What rank 0 submits to and collects from: the engines, or with ``env.name`` the
+    episodes played against them (``trainer.episodes.episode_source``)."""
+    if t.episodes is None:
+        return t.engine
+    from grpo_mega.trainer.episodes import episode_source
+    return episode_source(t)
 
 
 def _on_rank0(t: Trainer, fn, what: str):
@@ -92,7 +120,8 @@ def generate_separate(t: Trainer, prompts: list[Prompt], step: int,
     timeout = collect_budget_seconds(t.cfg)
 
     def run() -> dict:
-        return t.engine.collect(t.engine.submit(prompts, sampling, step=step), timeout_s=timeout).to_dict()
+        engine = rollout_source(t)
+        return engine.collect(engine.submit(prompts, sampling, step=step), timeout_s=timeout).to_dict()
 
     whole = RolloutBatch.from_dict(_on_rank0(t, run, f"generation of step {step}"))
     return prompt_slice(whole, len(prompts), t.ps.dp_rank, t.ps.dp, mini_batches)
@@ -105,23 +134,34 @@ class RolloutPipeline:
         self.max_staleness = max_staleness
         self.depth = max_staleness + 1
         self.queue: deque[InFlight] = deque()
+        self.next_label = 0
+        """The step label the next draw gets at least (labels only grow: a DAPO step that took
+        later draws must not see their seeds reused)."""
+        self.metrics: dict[str, float] = {}
+        """The staleness metrics of the current step's draws so far (every rank)."""
+        self._counts: list[dict] = []
 
     # ------------------------------------------------------------------ submit
 
+    def _submit(self, t: Trainer, step: int, sampling: Any = None) -> None:
+        """Draw the next prompts (every rank: the data cursor moves in step) and submit them
+        (rank 0) under step label ``step``."""
+        before = t.dataset.state_dict()
+        prompts = t.dataset.next_batch(t.cfg.data.prompts_per_step)
+        item = InFlight(step, prompts, before, sampling=sampling)
+        fault_point("async.submit")
+        if t.ps.rank == 0:
+            engine = rollout_source(t)
+            item.ticket = engine.submit(prompts, sampling, step=step)
+        self.queue.append(item)
+        self.next_label = max(self.next_label, step + 1)
+
     def fill(self, t: Trainer, next_step: int, last_step: int) -> None:
-        """Submit the prompts of steps ``next_step .. next_step + S`` (at most ``last_step``)
-        that are not in flight yet. Call right after a weight sync, so they start on it."""
-        want = min(next_step + self.depth - 1, last_step)
-        step = self.queue[-1].step + 1 if self.queue else next_step
-        while step <= want:
-            before = t.dataset.state_dict()
-            prompts = t.dataset.next_batch(t.cfg.data.prompts_per_step)
-            item = InFlight(step, prompts, before)
-            fault_point("async.submit")
-            if t.ps.rank == 0:
-                item.ticket = t.engine.submit(prompts, None, step=step)
-            self.queue.append(item)
-            step += 1
+        """Keep the draws of steps ``next_step .. next_step + S`` (at most ``last_step``) in
+        flight. Call right after a weight sync, so they start on it."""
+        want = min(self.depth, last_step - next_step + 1)
+        while len(self.queue) < want:
+            self._submit(t, max(next_step, self.next_label))
 
     def data_state(self, t: Trainer) -> dict:
         """The data position a checkpoint stores: before the oldest untrained batch."""
@@ -129,10 +169,18 @@ class RolloutPipeline:
 
     # -------------------------------------------------------------------- take
 
-    def take(self, t: Trainer, step: int) -> tuple[list[Prompt], RolloutBatch, dict[str, float]]:
-        """Step ``step``'s prompts and this DP replica's samples (over-stale groups already
-        re-sampled), with the staleness metrics of the global batch."""
-        if not self.queue or self.queue[0].step != step:
+    def take(self, t: Trainer, step: int, round: int = 0) -> tuple[list[Prompt], RolloutBatch, dict[str, float]]:
+        """Step ``step``'s next draw: its prompts and this DP replica's samples (over-stale
+        groups already re-sampled), with the staleness metrics of the step's draws so far
+        (also in ``self.metrics``). ``round`` > 0: a DAPO round, the next draw in flight, or
+        one drawn now on the current weights (its seeds shifted by ``round``, as the
+        synchronous loop's) when none is."""
+        if round and not self.queue:
+            s = t.engine.sampling
+            self._submit(t, step, None if s.seed is None else dataclasses.replace(s, seed=s.seed + round))
+        front = self.queue[0].step if self.queue else None
+        own = not round and not t.cfg.algorithm.dynamic_sampling  # one draw per step: its own
+        if front is None or front < step or (own and front != step):
             have = [i.step for i in self.queue]
             raise RuntimeError(f"async pipeline out of order: step {step} wants its batch, in flight: {have}")
         item = self.queue.popleft()
@@ -140,31 +188,38 @@ class RolloutPipeline:
 
         def collect() -> tuple[dict, dict]:
             deadline = time.monotonic() + collect_budget_seconds(t.cfg)  # collect + re-sample
-            fault_point("async.collect")
-            batch = t.engine.collect(item.ticket, timeout_s=deadline - time.monotonic())
-            batch, stats = self._within_bound(t, batch, item.prompts, step, current, deadline)
-            return batch.to_dict(), stats
+            if not round:
+                fault_point("async.collect")
+            engine = rollout_source(t)
+            batch = engine.collect(item.ticket, timeout_s=deadline - time.monotonic())
+            batch, counts = self._within_bound(t, batch, item, current, deadline)
+            return batch.to_dict(), counts
 
-        whole, stats = _on_rank0(t, collect, f"collecting the rollouts of step {step}")
+        whole, counts = _on_rank0(t, collect, f"collecting the rollouts of step {step}")
         whole = RolloutBatch.from_dict(whole)
-        self._record(t, step, item.prompts)
+        self._counts = [*(self._counts if round else []), counts]
+        from grpo_mega.trainer.staleness import StalenessStats
+        self.metrics = StalenessStats.combine([StalenessStats(**c) for c in self._counts]).metrics()
+        self._record(t, step, round, item.prompts)
         share = prompt_slice(whole, len(item.prompts), t.ps.dp_rank, t.ps.dp, mini_batches_per_step(t.cfg))
-        return item.prompts, share, stats
+        return item.prompts, share, dict(self.metrics)
 
-    def _within_bound(self, t: Trainer, batch: RolloutBatch, prompts: list[Prompt], step: int,
-                      current: int, deadline: float) -> tuple[RolloutBatch, dict[str, float]]:
+    def _within_bound(self, t: Trainer, batch: RolloutBatch, item: InFlight, current: int,
+                      deadline: float) -> tuple[RolloutBatch, dict]:
         """Drop the over-stale groups and sample their prompts again with the newest weights
-        (same step and prompt keys, so the same seeds), by ``deadline`` (``time.monotonic``:
-        what is left of the step's collect budget); then the guard: no token past the bound
-        reaches the update. Rank 0 only."""
+        (same step label, sampling and prompt keys, so the same seeds), by ``deadline``
+        (``time.monotonic``: what is left of the step's collect budget); then the guard: no
+        token past the bound reaches the update. Returns the batch and its staleness counts
+        (``StalenessStats`` fields). Rank 0 only."""
         from grpo_mega.trainer.staleness import StalenessStats, check_bound, split_over_stale
 
+        prompts, step, engine = item.prompts, item.step, rollout_source(t)
         split = split_over_stale(batch, current, self.max_staleness)
         parts, counts = [split.kept], [split.stats]
         if split.resample:
-            redo = t.engine.collect(t.engine.submit([prompts[i] for i in split.resample], None, step=step,
-                                                    keys=split.resample),
-                                   timeout_s=max(deadline - time.monotonic(), 0.0))
+            redo = engine.collect(engine.submit([prompts[i] for i in split.resample], item.sampling, step=step,
+                                                keys=split.resample),
+                                  timeout_s=max(deadline - time.monotonic(), 0.0))
             redo.prompt_index = [split.resample[i] for i in redo.prompt_index]  # back to this batch's
             again = split_over_stale(redo, current, self.max_staleness)
             parts.append(again.kept)
@@ -177,7 +232,7 @@ class RolloutPipeline:
         order = sorted(range(len(whole)), key=lambda i: (whole.prompt_index[i], i))
         whole = whole.take(order)
         check_bound(whole, current, self.max_staleness)
-        return whole, StalenessStats.combine(counts).metrics()
+        return whole, dataclasses.asdict(StalenessStats.combine(counts))
 
     def update_metrics(self, t: Trainer) -> dict[str, float]:
         """The last weight update as the engines saw it (global rank 0, which logs):
@@ -190,10 +245,12 @@ class RolloutPipeline:
         return {"engine_paused_s": max(e.get("paused_s", 0.0) for e in engines),
                 "engine_load_s": max(e.get("load_s", 0.0) for e in engines)}
 
-    def _record(self, t: Trainer, step: int, prompts: list[Prompt]) -> None:
-        """``prompts.jsonl``: the uids each step trains on (the exactly-once accounting)."""
+    def _record(self, t: Trainer, step: int, round: int, prompts: list[Prompt]) -> None:
+        """``prompts.jsonl``: the uids of each draw a step consumes, ``round`` 0 first and
+        DAPO's further rounds after it (the exactly-once accounting; a resumed run records
+        the steps it redoes again)."""
         if t.ps.rank == 0:
             path = Path(t.cfg.logging.run_dir) / "prompts.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("a") as f:
-                f.write(json.dumps({"step": step, "uids": [p.uid for p in prompts]}) + "\n")
+                f.write(json.dumps({"step": step, "round": round, "uids": [p.uid for p in prompts]}) + "\n")

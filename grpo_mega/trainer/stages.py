@@ -62,15 +62,15 @@ def _generate(t: Trainer, prompts: list[Prompt], step: int, sampling: Optional[S
     """This DP replica's share of the samples of ``prompts``: of each of ``mini_batches``
     blocks of them, its share (``rollout.layout.prompt_slice``), so that every optimizer
     step sees the same prompts at every DP size."""
+    if t.cfg.rollout.placement == "separate":  # engines in their own processes, fed by rank 0
+        from grpo_mega.trainer.pipeline import generate_separate  # (episodes too, with env.name)
+        return generate_separate(t, prompts, step, sampling, mini_batches)
     if t.episodes is not None:  # multi-turn: whole episodes against the environment
         from grpo_mega.trainer.episodes import play
         return play(t, prompts, step, sampling, mini_batches)
     if t.gateway is not None:  # an agent program plays them through the gateway
         from grpo_mega.trainer.gateway import play_gateway
         return play_gateway(t, prompts, step, sampling, mini_batches)
-    if t.cfg.rollout.placement == "separate":  # engines in their own processes, fed by rank 0
-        from grpo_mega.trainer.pipeline import generate_separate
-        return generate_separate(t, prompts, step, sampling, mini_batches)
     t.engine.resume()  # a no-op unless something released it since the last sync
     return t.engine.generate_resharded(prompts, sampling, step=step, to_rank=t.ps.dp_rank,
                                        to_size=t.ps.dp, progress=progress, mini_batches=mini_batches)
@@ -80,7 +80,11 @@ def _generate(t: Trainer, prompts: list[Prompt], step: int, sampling: Optional[S
 
 def rollout(t: Trainer, step: int, round: int = 0) -> tuple[list[Prompt], RolloutBatch]:
     """G samples per prompt of this DP rank's share, with the sampled tokens' log-probs.
-    ``round`` > 0 is a DAPO refill round: the next prompts, with their own sampling seeds."""
+    ``round`` > 0 is a DAPO refill round: the next prompts, with their own sampling seeds
+    (asynchronous GRPO: the pipeline's next draw in flight, so draws stay in data order)."""
+    if t.pipeline is not None:
+        prompts, batch, _ = t.pipeline.take(t, step, round=round)
+        return prompts, batch
     prompts = t.dataset.next_batch(t.cfg.data.prompts_per_step)
     sampling = None
     if round and t.engine.sampling.seed is not None:
@@ -111,6 +115,8 @@ def refill(t: Trainer, step: int, batch: RolloutBatch, rewards: list, stats: dic
             rewards, round_stats = reward(t, prompts, batch)
         rounds += 1
         per_round.append(round_stats)
+        if t.pipeline is not None:  # staleness over every draw the step took
+            stats.update(t.pipeline.metrics)
         kept.extend(D.keep_groups(batch, rewards, n))
         more, total = D.need_more_groups(kept.num_groups, target, rounds, cap, dp_group, t.ps.device)
     mine = D.deal_groups(kept, target, t.ps.dp_rank, dp_group)
@@ -213,7 +219,8 @@ def reward(t: Trainer, prompts: list[Prompt], batch: RolloutBatch) -> tuple[list
              "accuracy": float(v[3]) / n, "response_len": float(v[4]) / n,
              "truncated_frac": float(v[5]) / n, "reward_failures": float(failures)}
     if extra:
-        stats.update({k: float(x) / n for k, x in zip(EPISODE_KEYS, v[6:].tolist())})
+        every = max(float(v[6]), 1.0)
+        stats.update({k: float(x) / every for k, x in zip(EPISODE_KEYS, v[7:].tolist())})
     return rewards, stats
 
 

@@ -58,18 +58,23 @@ def test_async_s0_on_separate_engines_equals_the_synchronous_loop_for_20_steps(t
     another order, or a weight sync that reaches the engine process incompletely. With
     ``max_staleness: 0`` the separate engine must give the colocated loop's metrics and
     final weights for 20 steps, with no group drawn ahead of its weights (a pipeline one
-    step too deep: its groups would be dropped and re-sampled, hiding in the metrics)."""
+    step too deep: its groups would be dropped and re-sampled, hiding in the metrics).
+    DAPO dynamic sampling is on in both runs: a further round must draw the synchronous
+    loop's prompts with its seeds (step k, seed + round), not a draw already in flight or a
+    reused seed."""
     steps = 20
     runs = {}
     for placement in ("colocated", "separate"):
         run = tmp_path / placement
         _finish(Job(_train(*_args(run, steps, f"--rollout.placement={placement}",
-                                  f"--checkpoint.save_every={steps}"))))
+                                  f"--checkpoint.save_every={steps}", "--algorithm.dynamic_sampling=true"))))
         runs[placement] = run
     a, b = _rows(runs["colocated"]), _rows(runs["separate"])
     assert sorted(a) == sorted(b) == list(range(1, steps + 1))
+    assert any(a[s]["dapo_rounds"] > 1 for s in a), a  # further rounds ran
     for step in a:
-        for key in ("reward_mean", "reward_std", "response_len", "loss", "kl", "grad_norm", "clipfrac"):
+        for key in ("reward_mean", "reward_std", "response_len", "loss", "kl", "grad_norm", "clipfrac",
+                    "dapo_rounds", "groups_dropped"):
             assert b[step][key] == pytest.approx(a[step][key], rel=1e-6, abs=1e-9), (step, key, a[step], b[step])
         assert b[step]["staleness_frac_0"] == 1.0 and b[step]["staleness_bound_violations"] == 0
         assert b[step]["stale_groups_dropped"] == 0  # none drawn too early (then re-sampled)
@@ -80,23 +85,24 @@ def test_async_s0_on_separate_engines_equals_the_synchronous_loop_for_20_steps(t
         torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-6, msg=k)
 
 
-def _expected_uids(run: Path, steps: int) -> list[list[str]]:
-    """The prompt uids of steps 1..steps, as the trainer's own data cursor draws them."""
+def _expected_uids(run: Path, steps: int, draws: int) -> list[str]:
+    """The prompt uids of the first ``draws`` draws, as the trainer's own data cursor draws them."""
     sys.path.insert(0, str(REPO))
     from grpo_mega.config import cli_config
     from grpo_mega.trainer.trainer import preflight
 
     ds = preflight(cli_config(_args(run / "probe", steps)), 1).dataset
-    return [[p.uid for p in ds.next_batch(PROMPTS)] for _ in range(steps)]
+    return [p.uid for _ in range(draws) for p in ds.next_batch(PROMPTS)]
 
 
-def _trained_uids(run: Path) -> dict[int, list[str]]:
-    """``prompts.jsonl``: each step's uids as last recorded (a resumed run redoes the steps
-    after its checkpoint, and their first record died with the killed job's update)."""
-    out: dict[int, list[str]] = {}
+def _trained_uids(run: Path) -> dict[int, list[list[str]]]:
+    """``prompts.jsonl``: each step's draws (round 0, then DAPO's further rounds) as last
+    recorded (a resumed run redoes the steps after its checkpoint, and their first record
+    died with the killed job's update)."""
+    out: dict[int, list[list[str]]] = {}
     for line in (run / "prompts.jsonl").read_text().splitlines():
         r = json.loads(line)
-        out[r["step"]] = r["uids"]
+        out[r["step"]] = [r["uids"]] if r["round"] == 0 else [*out[r["step"]], r["uids"]]
     return out
 
 
@@ -109,7 +115,10 @@ def test_async_sigkill_mid_generation_update_and_sync_then_resume_trains_every_p
     job (trainer and engine process) is SIGKILLed mid-generation (the engine drawing the
     next batch), mid-update and mid-sync (an in-flight weight update), and restarted each
     time with the same command, at DP 2 (a rank without an engine, samples dealt from
-    rank 0). Every step's prompts must be the data cursor's, each exactly once over the run.
+    rank 0). The draws the steps consumed, in order, must be the data cursor's, each prompt
+    exactly once over the run (DAPO's further rounds, which take the next draws in flight,
+    are checked across a kill in tests/unit/trainer/test_async_episodes_dapo.py: with them
+    nearly every step of this task takes two fresh draws, and S = 1 would rarely overlap).
     (A fourth kill, mid-checkpoint, ran here until 2026-11-28: a save killed before it is
     published leaves the run at the checkpoint before, as a kill in another phase does, and
     a kill mid-save is tested with its restart in tests/integration/test_kill.py.)"""
@@ -132,10 +141,9 @@ def test_async_sigkill_mid_generation_update_and_sync_then_resume_trains_every_p
 
     trained = _trained_uids(run)
     assert sorted(trained) == list(range(1, steps + 1))
-    expected = _expected_uids(run, steps)
-    assert [trained[s] for s in range(1, steps + 1)] == expected
-    flat = [u for s in range(1, steps + 1) for u in trained[s]]
-    assert len(flat) == len(set(flat)) == steps * PROMPTS
+    flat = [u for s in range(1, steps + 1) for draw in trained[s] for u in draw]
+    assert flat == _expected_uids(run, steps, len(flat) // PROMPTS)
+    assert len(flat) == len(set(flat)) >= steps * PROMPTS
 
     rows = _rows(run)
     for step, row in rows.items():
@@ -143,5 +151,5 @@ def test_async_sigkill_mid_generation_update_and_sync_then_resume_trains_every_p
         assert abs(row["staleness_frac_0"] + row["staleness_frac_1"] - 1.0) < 1e-9, row
     # S = 1 overlaps: after step 1 some tokens were drawn one version before the update's.
     assert any(rows[s]["staleness_frac_1"] > 0 for s in range(2, steps + 1)), rows
-    print(f"\n[async] prompts per step {[len(trained[s]) for s in sorted(trained)]}, each once; "
+    print(f"\n[async] draws per step {[len(trained[s]) for s in sorted(trained)]}, each prompt once; "
           f"stale token share by step {[round(rows[s]['staleness_frac_1'], 3) for s in sorted(rows)]}")

@@ -242,16 +242,20 @@ class RemoteEngines:
     # -- asynchronous generation ------------------------------------------------
     def submit(self, prompts: Sequence[Any], sampling: SamplingConfig | None = None, *, step: int,
                keys: Sequence[int] | None = None, budgets: Sequence[int] | None = None,
-               prompt_offset: int = 0) -> int:
+               prompt_offset: int = 0, engine: int | None = None) -> int:
         """Queue ``n`` samples of each prompt (token id lists or objects with ``token_ids``)
         on the engines; returns a ticket for :meth:`done` / :meth:`collect`. ``keys``: per-prompt
-        seed indices (default ``prompt_offset + i``), ``budgets``: per-prompt max_new_tokens."""
+        seed indices (default ``prompt_offset + i``), ``budgets``: per-prompt max_new_tokens;
+        ``engine``: all on that engine (``engine % E``; a multi-turn episode's turns, one
+        request each, spread over the engines by episode instead of all going to the last)."""
         s = sampling or self.sampling
         ids = [list(getattr(p, "token_ids", p)) for p in prompts]
         keys = [prompt_offset + i for i in range(len(ids))] if keys is None else list(keys)
         ticket = next(self._ids)
         parts = []
         bounds = [len(ids) * k // self.count for k in range(self.count + 1)]
+        if engine is not None:
+            bounds = [0] * (engine % self.count + 1) + [len(ids)] * (self.count - engine % self.count)
         for e in self.engines:
             lo, hi = bounds[e.index], bounds[e.index + 1]
             if lo == hi:
@@ -276,6 +280,18 @@ class RemoteEngines:
                     self._check(self.engines[k], f"generating step {t.step}")
                     return False
         return True
+
+    def wait_any(self, tickets: Sequence[int], timeout_s: float) -> list[int]:
+        """Those of ``tickets`` that are done, waiting up to ``timeout_s`` for one (raises if
+        an engine they wait on died)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:  # reentrant: ``done`` takes it again
+            while True:
+                ready = [t for t in tickets if self.done(t)]
+                left = deadline - time.monotonic()
+                if ready or left <= 0:
+                    return ready
+                self._cond.wait(min(left, 0.2))
 
     def collect(self, ticket: int, timeout_s: float | None = None) -> RolloutBatch:
         """The ticket's samples (group-major, prompts in submitted order, ``versions`` per

@@ -58,7 +58,8 @@ def test_async_collect_and_resample_share_one_deadline_below_the_collective_time
     budget = collect_budget_seconds(cfg)
     assert budget <= 0.85 * timeout  # the margin: the broadcast and the split run after it
     engine = SlowEngine()
-    t = SimpleNamespace(cfg=cfg, engine=engine, ps=SimpleNamespace(world_size=1, rank=0, dp_rank=0, dp=1))
+    t = SimpleNamespace(cfg=cfg, engine=engine, episodes=None,
+                        ps=SimpleNamespace(world_size=1, rank=0, dp_rank=0, dp=1))
     pipe = RolloutPipeline(max_staleness=1)
     prompts = [SimpleNamespace(uid=f"p{i}") for i in range(2)]
     pipe.queue.append(InFlight(5, prompts, {}, ticket="first"))

@@ -296,6 +296,85 @@ def test_async_update_in_flight_tags_each_token_with_the_version_that_sampled_it
     assert_same_samples(remote.generate(p, s, step=13), reference.generate(p, s, step=13))
 
 
+class _ToolCodec:
+    """Every turn is a tool call; the tool's reply is two fixed ids; row i's first prompt is
+    prompt i's ids. Turns end at a stop id (half the vocabulary), so they are short."""
+
+    eot_id = 0
+
+    def __init__(self, prompts):
+        self.prompts = prompts
+
+    def first_ids(self, messages, tools):
+        return list(self.prompts[int(messages[0]["content"])])
+
+    def delta_ids(self, history, new, tools):
+        return [3, 4]
+
+    def parse(self, ids):
+        return {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "t", "arguments": {}}}]}
+
+    def check(self, *args):
+        return []
+
+
+class _SlowTool:
+    """A tool that takes 50 ms; the sixth call ends the episode."""
+
+    tools: list = []
+
+    def reset(self, row):
+        self.calls = 0
+        return [{"role": "user", "content": str(row["i"])}]
+
+    def step(self, message):
+        from grpo_mega.envs.types import StepResult
+
+        time.sleep(0.05)
+        self.calls += 1
+        return StepResult([{"role": "tool", "content": "r"}], reward=0.0, done=self.calls >= 6)
+
+    def close(self):
+        pass
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM, reason="vllm is not installed")
+def test_async_multi_turn_episodes_span_an_update_with_each_turns_versions(remote, artifacts):
+    """Guards multi-turn episodes on engine servers (asynchronous GRPO with ``env.name``)
+    losing the versions of their turns across a weight update: each turn is its own request,
+    and an update lands while the episodes run, so an episode must carry the old version on
+    its early turns and the new one on its later turns, token by token, aligned with its
+    response (the tool's tokens too), never going back to the old version."""
+    from grpo_mega.rollout.multi_turn import EpisodeLimits
+    from grpo_mega.rollout.multi_turn_remote import RemoteEpisodes
+
+    s = SamplingConfig(n=2, temperature=1.0, max_new_tokens=6, seed=4,
+                       stop_token_ids=tuple(range(2, artifacts["vocab"], 2)))
+    limits = EpisodeLimits(max_turns=6, max_tokens=80, max_model_len=MAX_LEN, env_workers=4)
+    rows = [{"i": i} for i in range(len(PROMPTS))]
+    for _ in range(3):  # an update that lands after every episode ended proves nothing: again
+        hold(remote, artifacts, "A")
+        v = remote.version
+        episodes = RemoteEpisodes(remote, _ToolCodec(artifacts["prompts"]), _SlowTool, limits)
+        ticket = episodes.submit(rows, s, step=2)
+        _wait_for_tokens(remote, at_least=2 * len(PROMPTS))
+        remote.holding = "B"
+        push(remote, weights(artifacts["B"]))
+        batch = episodes.collect(ticket, timeout_s=120)
+        spanned = 0
+        for versions, ids, mask in zip(batch.versions, batch.response_ids, batch.response_mask, strict=True):
+            assert len(versions) == len(ids) and set(versions) <= {v, v + 1}, versions
+            assert versions == sorted(versions), versions  # never back to the old weights
+            assert all(versions[t] == versions[t - 1] for t, m in enumerate(mask) if not m), (versions, mask)
+            spanned += len({x for x, m in zip(versions, mask) if m}) == 2
+        if spanned:
+            break
+    assert spanned, "no episode spanned the update in 3 tries"
+    assert sorted(set(batch.prompt_index)) == list(range(len(PROMPTS))) and len(batch) == 2 * len(PROMPTS)
+
+
 # ---------------------------------------------------------------------------
 # The weight bridge through the proxy
 # ---------------------------------------------------------------------------
