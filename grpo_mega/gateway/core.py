@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import re
 import secrets
 import string
@@ -42,6 +43,10 @@ opened in) draws its seed with key ``n * _KEY_STRIDE + k``."""
 _SAMPLED = ("temperature", "top_p", "top_k")
 """The fields that set the sampling distribution the recorded log-probs describe."""
 _ALNUM = string.ascii_letters + string.digits
+_MAX_ABS_REWARD = 1e6
+"""Largest reward magnitude accepted: the group's advantages must stay finite and
+meaningful (the trainer's rewards are float32: a reported 1e39 is inf there, which stops
+the run; in float64 1e308 overflows the variance and zeroes the group's advantages)."""
 _REMEMBER = 100_000
 """Collected episode ids remembered, so that a late call to one is refused rather than
 opening a new episode nobody will collect."""
@@ -50,6 +55,15 @@ opening a new episode nobody will collect."""
 def _canonical(field: str, value: Any) -> Any:
     """A sampling field's value in one form (top-k: 0 and -1 both disable it)."""
     return max(int(value), 0) if field == "top_k" else float(value)
+
+
+def _reward(reward: Any) -> float:
+    """A reported reward as a float; 400 unless a finite number within ``_MAX_ABS_REWARD``."""
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward) \
+            or abs(reward) > _MAX_ABS_REWARD:
+        raise GatewayError(400, f"reward={reward!r} must be a finite number within +-{_MAX_ABS_REWARD:g}",
+                           param="reward")
+    return float(reward)
 
 
 def _call_id() -> str:
@@ -200,23 +214,26 @@ class Gateway:
         return ep
 
     def set_reward(self, episode_id: str, reward: Any) -> None:
-        """The episode's reward (a later report replaces an earlier one)."""
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or reward != reward \
-                or reward in (float("inf"), float("-inf")):
-            raise GatewayError(400, f"reward={reward!r} must be a finite number", param="reward")
-        ep = self.episode(episode_id)
-        with ep.lock:
-            ep.reward = float(reward)
+        """The episode's reward (a later report replaces an earlier one until it is finished)."""
+        self._set(episode_id, _reward(reward), finish=False)
 
     def finish(self, episode_id: str, reward: Any = None) -> None:
-        """Close the episode (later chat calls get 409); optionally report its reward."""
-        if reward is not None:
-            self.set_reward(episode_id, reward)
-        ep = self.episode(episode_id)
-        with ep.lock:
-            ep.finished = True
+        """Close the episode (later chat calls get 409, and so does a second finish or a
+        reward reported after it); optionally report its reward."""
+        self._set(episode_id, None if reward is None else _reward(reward), finish=True)
         with self._lock:
             self._lock.notify_all()
+
+    def _set(self, episode_id: str, reward: Optional[float], finish: bool) -> None:
+        ep = self.episode(episode_id)
+        with ep.lock:
+            if ep.finished:  # its reward is fixed: the trainer may be collecting it
+                why = f" by the trainer ({ep.error})" if ep.error else ""
+                raise GatewayError(409, f"episode {episode_id!r} is finished{why}; its reward cannot change",
+                                   code="episode_finished")
+            if reward is not None:
+                ep.reward = reward
+            ep.finished = ep.finished or finish
 
     def discard(self, episode_id: str) -> None:
         """Forget an episode (an agent that crashed before its first call)."""
