@@ -12,6 +12,7 @@ split run on them.
 from __future__ import annotations
 
 import itertools
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -144,8 +145,10 @@ def test_async_remote_episodes_equal_the_inprocess_driver_and_raise_engine_error
     """Guards episodes played against the engine servers drawing other turns than the
     in-process driver (per-turn seed keys or step labels lost on the way), turns all sent to
     one engine, and an engine's death inside the episode thread swallowed (``collect``
-    returning nothing, or hanging) instead of raised naming the engine."""
+    returning nothing, or hanging) instead of raised naming the engine, and episodes left
+    running (submitting turns) after their caller gave up on them."""
     from grpo_mega.rollout.multi_turn_remote import RemoteEpisodes
+    from grpo_mega.rollout.remote import RemoteEngineError
 
     s = SamplingConfig(n=2, max_new_tokens=3)
     want = run_episodes_async(StepEngine(), Codec(), SleepyEnv, ROWS, s, _limits(), step=3)
@@ -161,6 +164,17 @@ def test_async_remote_episodes_equal_the_inprocess_driver_and_raise_engine_error
     dying = RemoteEpisodes(FakeRemote(fail_after=3), Codec(), SleepyEnv, _limits())
     with pytest.raises(RuntimeError, match="engine 1 .pid 42. died"):
         dying.collect(dying.submit(ROWS, s, step=3), timeout_s=30)
+    # Engines that never answer: the caller's deadline ends the call naming the step, and the
+    # episodes' thread stops instead of submitting turns behind the next step's back.
+    mute = FakeRemote()
+    mute.wait_any = lambda tickets, timeout_s: time.sleep(timeout_s) or []
+    stuck = RemoteEpisodes(mute, Codec(), SleepyEnv, _limits())
+    ticket = stuck.submit(ROWS, s, step=4)
+    thread = stuck._jobs[ticket].thread
+    with pytest.raises(RemoteEngineError, match="episodes of step 4 did not finish"):
+        stuck.collect(ticket, timeout_s=0.2)
+    thread.join(2.0)
+    assert not thread.is_alive()
 
 
 # ---------------------------------------------------------------------------
