@@ -102,10 +102,12 @@ def test_gateway_episode_past_its_timeout_is_scored_error_reward_and_the_run_goe
     recorded (``episode_env_errors``), its call served before the deadline kept; a later
     call of it refused (409); the other episodes' rewards untouched. With
     ``error_reward=None`` the late episode's whole group is dropped (masks 0), the other
-    group trained."""
+    group trained. Each episode's task is its own prompt's and each reward its own
+    episode's (a task or reward shifted to a neighbour would train the wrong group)."""
     from grpo_mega.trainer.gateway import play_gateway
 
     def plays(task, client, log):
+        log.append((task["episode_id"], "task", (task["prompt_index"], task["messages"][0]["content"])))
         status = _call(task, client, log)
         if task["prompt_index"] == 1 and task["episode_id"].endswith("e1"):  # hangs: never finishes
             time.sleep(3.0)
@@ -139,6 +141,8 @@ def test_gateway_episode_past_its_timeout_is_scored_error_reward_and_the_run_goe
             assert dropped == [0, 0, 1, 1] and not any(map(any, batch.response_mask[2:]))
         else:
             assert dropped == [0, 0, 0, 0] and any(batch.response_mask[3])
+        tasks = sorted(x for e, what, x in log if what == "task")
+        assert tasks == [(0, "find 0"), (0, "find 0"), (1, "find 1"), (1, "find 1")], tasks  # each its own prompt
         late_id = batch.episode_info[3]["episode_id"]
         assert [s for e, what, s in log if e == late_id and what == "call"][-1] in (404, 409), log
 
