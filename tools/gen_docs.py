@@ -286,8 +286,8 @@ def support_page() -> str:
                         for s in scale) + " | `tests/integration/test_scale_configs.py` |",
             "| multi-turn episodes (the tool demo, DAPO refill) equal the single-process run | "
             "PP2 x DP2 (engine TP2) | `tests/integration/test_layouts_multi_turn.py` |",
-            "| asynchronous GRPO (`rollout.placement: separate`): S = 0 equals the synchronous loop; SIGKILLs "
-            "mid-generation, update and sync at S = 1 with DAPO rounds, every prompt once | one trainer rank; "
+            "| asynchronous GRPO (`rollout.placement: separate`): S = 0 equals the synchronous loop (DAPO rounds "
+            "on); SIGKILLs mid-generation, update and sync at S = 1, every prompt once | one trainer rank; "
             "DP2 beside one engine process | `tests/integration/test_async.py` |",
             "| asynchronous GRPO with multi-turn episodes and DAPO: each turn's tokens keep their version across "
             "an update landing mid-episode, the bound per token across turns, DAPO rounds in data order across "
