@@ -37,7 +37,9 @@ def _allowed() -> dict:
     from grpo_mega.preflight.validate import CHOICES, registry_choices
     from grpo_mega.rewards.registry import REWARD_REGISTRY
 
-    allowed = {k: tuple(v) for k, v in {**CHOICES, **registry_choices()}.items()}
+    from grpo_mega.preflight.lora import lora_choices
+
+    allowed = {k: tuple(v) for k, v in {**CHOICES, **registry_choices(), **lora_choices()}.items()}
     allowed[("reward", "functions")] = (*sorted(REWARD_REGISTRY), "package.module:function")
     return allowed
 
@@ -46,6 +48,7 @@ def config_pages() -> dict[str, str]:
     """The config reference: an index page and one page per section (``reference/config/<section>.md``),
     every field with its type, default, allowed values and docstring."""
     from grpo_mega.config import Config, field_docs, type_name
+    from grpo_mega.config.coerce import sub_section
 
     allowed, pages, rows = _allowed(), {}, []
     for sec in dataclasses.fields(Config):
@@ -63,6 +66,15 @@ def config_pages() -> dict[str, str]:
             if (sec.name, f.name) in allowed:
                 line += "; one of " + ", ".join(f"`{v}`" for v in allowed[(sec.name, f.name)])
             out += [f"## `{sec.name}.{f.name}`", "", line + ".", "", _md(docs.get(f.name, "")), ""]
+            sub = sub_section(types[f.name])
+            if sub is not None:  # a nested section (model.lora): its fields, each its own flag
+                sub_docs, sub_types = field_docs(sub), typing.get_type_hints(sub)
+                for g in dataclasses.fields(sub):
+                    line = f"type `{type_name(sub_types[g.name])}`, default `{getattr(sub(), g.name)!r}`"
+                    if (f"{sec.name}.{f.name}", g.name) in allowed:
+                        line += "; one of " + ", ".join(f"`{v}`" for v in allowed[(f"{sec.name}.{f.name}", g.name)])
+                    out += [f"### `{sec.name}.{f.name}.{g.name}`", "", line + ". Setting it turns "
+                            f"`{sec.name}.{f.name}` on.", "", _md(sub_docs.get(g.name, "")), ""]
         pages[f"reference/config/{sec.name}.md"] = "\n".join(out)
         rows.append(f"| [`{sec.name}`](config/{sec.name}.md) | {about} | {len(fields)} |")
     index = [GENERATED, "", "# Config reference", "",

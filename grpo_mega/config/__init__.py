@@ -22,7 +22,7 @@ import yaml
 from grpo_mega.config.coerce import (  # noqa: F401  (re-exported: the public config API)
     ConfigError, apply_dict, apply_overrides, check_numbers, field_docs, parse_overrides, sections_help,
     type_name, yaml_error)
-from grpo_mega.config.model import ModelConfig  # noqa: F401  (re-exported: the model section)
+from grpo_mega.config.model import LORA_TARGETS, LoraConfig, ModelConfig  # noqa: F401  (re-exported: the model section)
 from grpo_mega.config.gateway import GatewaySection  # noqa: F401  (re-exported: the gateway section)
 
 

@@ -68,9 +68,40 @@ def type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp)).replace("typing.", "")
 
 
+def sub_section(tp: Any) -> Any:
+    """The dataclass of a field that is a nested section (``model.lora: Optional[LoraConfig]``),
+    else None."""
+    if typing.get_origin(tp) is typing.Union:
+        tp = next((a for a in typing.get_args(tp) if a is not type(None)), None)
+    return tp if isinstance(tp, type) and dataclasses.is_dataclass(tp) else None
+
+
+def _coerce_section(value: Any, cls: Any, where: str) -> Any:
+    """A nested section from a mapping (YAML, or ``--model.lora='{rank: 4}'``): its defaults,
+    then each key coerced to its field; unknown keys are errors."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = yaml.safe_load(value) if value.strip() else {}
+        except yaml.YAMLError as e:
+            raise yaml_error(e, where) from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping of {cls.__name__} fields, got {value!r}")
+    out, types = cls(), typing.get_type_hints(cls)
+    for k, v in value.items():
+        if k not in types:
+            raise ConfigError(f"{where}: unknown field {k!r}; known: {sorted(types)}")
+        setattr(out, k, _coerce(v, types[k], f"{where}.{k}"))
+    return out
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check/convert ``value`` to annotation ``tp``; strings from the CLI are parsed."""
     origin = typing.get_origin(tp)
+    cls = sub_section(tp)
+    if cls is not None and not (value is None or (isinstance(value, str) and value.lower() in ("null", "none"))):
+        return _coerce_section(value, cls, where)
     if origin is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("null", "none")):
@@ -146,9 +177,12 @@ def check_numbers(cfg: Any, signed: Collection[str] = ()) -> None:
         section = getattr(cfg, sec.name)
         if not dataclasses.is_dataclass(section):
             continue
-        for name, tp in _section_types(type(section)).items():
-            key = f"{sec.name}.{name}"
-            value = getattr(section, name)
+        fields = [(f"{sec.name}.{name}", getattr(section, name), tp)
+                  for name, tp in _section_types(type(section)).items()]
+        for key, value, tp in list(fields):
+            if sub_section(tp) is not None and value is not None:  # a nested section's own fields
+                fields += [(f"{key}.{n}", getattr(value, n), t) for n, t in _section_types(type(value)).items()]
+        for key, value, tp in fields:
             for v in _numbers(value, tp):
                 if not math.isfinite(v):
                     raise ConfigError(f"{key}={value!r} is not a finite number; NaN and infinity are "
@@ -207,8 +241,21 @@ def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
         if section is None or not dataclasses.is_dataclass(section):
             raise ConfigError(f"--{key}: unknown section {sec_name!r}")
         types = _section_types(type(section))
+        name, _, leaf = name.partition(".")
         if name not in types:
             raise ConfigError(f"--{key}: unknown field; {sec_name} has {sorted(types)}")
+        cls = sub_section(types[name])
+        if leaf and cls is not None:
+            # --model.lora.rank=4: one field of a nested section, which the flag turns on
+            sub = getattr(section, name) or cls()
+            sub_types = _section_types(cls)
+            if leaf not in sub_types:
+                raise ConfigError(f"--{key}: unknown field; {sec_name}.{name} has {sorted(sub_types)}")
+            setattr(sub, leaf, _coerce(value, sub_types[leaf], f"{key} (from --{key})"))
+            setattr(section, name, sub)
+            continue
+        if leaf:
+            raise ConfigError(f"--{key}: {sec_name}.{name} has no fields of its own")
         setattr(section, name, _coerce(value, types[name], f"{key} (from --{key})"))
     return cfg
 
@@ -227,4 +274,10 @@ def sections_help(config_cls: type) -> str:
             default = getattr(sec.default_factory(), f.name)
             lines.append(f"  --{sec.name}.{f.name} ({type_name(types[f.name])}, default {default!r}): "
                          f"{docs.get(f.name, '')}")
+            sub = sub_section(types[f.name])
+            if sub is not None:
+                sub_docs, sub_types = field_docs(sub), typing.get_type_hints(sub)
+                for g in dataclasses.fields(sub):
+                    lines.append(f"  --{sec.name}.{f.name}.{g.name} ({type_name(sub_types[g.name])}, default "
+                                 f"{getattr(sub(), g.name)!r}; setting it turns {f.name} on): {sub_docs.get(g.name, '')}")
     return "\n".join(lines)

@@ -5,8 +5,35 @@ same rules hold: typed fields, a docstring under each, no import of the rest of 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+"""megatron's names of the linears LoRA can adapt (the names the mapping tables use)."""
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters on the actor (``model.lora``; docs/guides/lora.md). Only the adapters
+    train; the base stays frozen and, with adapters off, is the KL reference."""
+
+    rank: int = 8
+    """Adapter rank r: A is [r, in], B is [out, r]."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter adds (alpha / rank) * B A x to each adapted linear."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training (0: none; keeps updates deterministic)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Which linears of every layer get adapters: any of ``linear_qkv`` (attention q, k, v),
+    ``linear_proj`` (attention output), ``linear_fc1`` (MLP gate and up), ``linear_fc2`` (MLP down)."""
+    init: str = "kaiming"
+    """How A starts (B starts at zero, so the first policy is the base model): ``kaiming``
+    (uniform in +-1/sqrt(in), PEFT's default) or ``gaussian`` (normal, std 1/rank). Drawn per
+    linear from ``parallel.seed`` and its global name, so every layout starts the same."""
+    sync: str = "merged"
+    """How the engines get the policy: ``merged`` (W + (alpha/rank) B A resharded into vLLM like a
+    full sync; any engine layout) or ``adapter`` (vLLM serves the base plus a LoRA adapter, and
+    each step ships only the adapter)."""
 
 
 @dataclass
@@ -122,3 +149,12 @@ class ModelConfig:
     x sum_e fraction_of_tokens_e x mean_prob_e, per micro-batch). Its gradient is added in
     megatron's backward for every micro-batch on every DP replica, not divided by their
     number (megatron's per-token-loss convention). 0 turns it off (the usual RL choice)."""
+    lora: Optional[LoraConfig] = None
+    """LoRA on the actor (``--model.lora.rank=8`` etc.; the fields of ``LoraConfig`` above); null trains
+    every parameter. With it the reference for the KL is the same model with the adapters off,
+    so no second model is built (docs/guides/lora.md)."""
+
+    def __post_init__(self):
+        # a saved config (checkpoint metadata, dataclasses.asdict) holds the section as a dict
+        if isinstance(self.lora, dict):
+            self.lora = LoraConfig(**self.lora)

@@ -229,7 +229,9 @@ def build_trainer(argv=None) -> Trainer:
     from grpo_mega.checkpoint import convert
     from grpo_mega.models import build_model
     model = build_model(cfg.model, ps)
-    ref = build_model(cfg.model, ps, frozen=True) if cfg.algorithm.kl_coef > 0 else None
+    lora = cfg.model.lora
+    # With LoRA the reference is the actor with its adapters off (lora.ReferenceView), built below.
+    ref = build_model(cfg.model, ps, frozen=True) if cfg.algorithm.kl_coef > 0 and lora is None else None
     for m in (model, ref):
         if m is None:
             continue
@@ -240,6 +242,13 @@ def build_trainer(argv=None) -> Trainer:
         else:
             convert.load_hf_weights(m, cfg.model.hf_checkpoint, ps, cfg.model)
 
+    if lora is not None:
+        from grpo_mega import lora as L
+        L.attach_lora(model, lora, ps, seed=cfg.parallel.seed)  # freezes the base it just loaded
+        ref = L.ReferenceView(model) if cfg.algorithm.kl_coef > 0 else None
+        say(f"LoRA rank {lora.rank} on {', '.join(lora.target_modules)}: "
+            f"{L.lora_parameter_count(model):,} trainable parameters on this rank; the reference is the "
+            "base (adapters off)")
     if cfg.algorithm.routing_replay != "off":
         from grpo_mega.models.routing import install_router_replay
         install_router_replay(model)  # the policy's routers only: the reference routes itself
@@ -316,7 +325,7 @@ def engine_config(cfg: Config):
     """The vLLM engine's ``EngineConfig`` from the ``rollout`` section."""
     from grpo_mega.rollout import EngineConfig
     r = cfg.rollout
-    lora = getattr(cfg.model, "lora", None)  # model.lora.sync=adapter: the engine serves base + adapter
+    lora = cfg.model.lora  # model.lora.sync=adapter: the engine serves base + adapter
     return EngineConfig(model=cfg.model.hf_checkpoint, mode=r.engine_mode, max_model_len=r.max_model_len,
                         gpu_memory_utilization=r.gpu_memory_utilization, colocate=r.sleep_between_rollouts,
                         seed=r.seed, logprobs_mode="processed_logprobs", enforce_eager=r.enforce_eager,

@@ -4,8 +4,9 @@ each micro-batch, against the same update computed directly on the whole batch w
 gathered, unsharded float64 logits (full-vocabulary KL written from scratch).
 
 One launch of 2 ranks runs every check; the tests below each assert one part of it. The
-same launch then runs ``test_trainable_logits.py``'s checks and ``test_packing.py``'s TP=2,
-PP=2 and DP=2 ones (asserted here, so one pytest worker makes the launch).
+same launch then runs ``test_trainable_logits.py``'s checks and ``test_packing.py``'s and
+``tests/unit/lora/test_lora.py``'s TP=2, PP=2 and DP=2 ones (asserted here, so one pytest
+worker makes the launch).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from tests.compare import max_abs_diff_all, worst
 from tests.distributed import run_ranks
+from tests.unit.lora.test_lora import tp1  # noqa: F401  (the fixture: TP=1 LoRA results, in-process)
 from tests.unit.trainer.test_batch import PROMPTS, RESPONSES, _batch, _model_cfg
 
 VOCAB = 50  # padded to 56 at TP=2: rank 1's shard holds padding columns
@@ -137,11 +139,12 @@ def _full_kl_rank(rank, world):
 
 
 def _shared_rank(rank, world):
+    from tests.unit.lora.test_lora import lora_rank
     from tests.unit.trainer.test_packing import packing_rank
     from tests.unit.trainer.test_trainable_logits import trainable_rank
 
     return {"full_kl": _full_kl_rank(rank, world), "trainable": trainable_rank(rank, world),
-            "packing": packing_rank(rank, world)}
+            "packing": packing_rank(rank, world), "lora": lora_rank(rank, world)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,3 +216,17 @@ def test_packed_update_equals_padded_at_tp2_pp2_dp2_fp64(layout):
         check_packed_equals_padded(r)
     if layout == "dp2":
         assert [r["micro_batches"] for r in results] == [3, 3], [r["micro_batches"] for r in results]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+def test_lora_update_at_tp2_pp2_dp2_equals_tp1_fp64(layout, tp1):
+    """Guards LoRA's tensor-parallel math (``grpo_mega.lora``): a column-parallel A whose
+    gradient is not all-reduced over TP (each rank's dA then holds only its rows' part), a
+    row-parallel input not reduced before B (each rank adds B of a partial sum), an A drawn per
+    rank, and PP/DP losing adapter gradients: log-probs, adapters on and off, and every adapter
+    gradient (gathered to full tensors, summed over DP) must equal TP=1's within 1e-10, for the
+    exact KL against the adapters-off reference and for k3 (tests/unit/lora/test_lora.py)."""
+    from tests.unit.lora.test_lora import check_lora_layout
+
+    check_lora_layout(layout, [r["lora"][layout] for r in shared_launch()], tp1)
