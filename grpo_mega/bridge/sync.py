@@ -173,8 +173,9 @@ class WeightBridge:
 
     def _sync_adapter(self, verify: bool) -> SyncStats:
         """``lora_sync='adapter'``: the whole adapter (PEFT names, every stage's) into each
-        engine in one load, then a prefix-cache reset (vLLM keys cached KV by adapter id,
-        which stays the same), then the adapter verification (``verify.make_adapter_probes``)."""
+        engine in one load, then a prefix-cache reset (vLLM keys cached KV by the adapter's
+        name and directory, and each load has a new directory, so this is belt and braces),
+        then the adapter verification (``verify.make_adapter_probes``)."""
         engines = self._active_engines()
         stats = SyncStats()
         start = time.perf_counter()

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from grpo_mega.bridge.lora import peft_pairs, peft_target_modules
 from grpo_mega.checkpoint.convert import _load_tensors_metadata, _write_hf_side_files
@@ -96,12 +97,15 @@ def lora_to_peft(step_dir: str | Path, out_dir: str | Path, *, merged: bool = Fa
     scale = float(lora["alpha"]) / int(lora["rank"])
     tmp = _shared_tmp_dir(out)
     try:
-        if merged:
-            if base is None or not (base / "config.json").is_file():
-                raise CheckpointError(f"--merged needs the HF base model directory; {base} is not one (--base)")
-            _write_merged(tmp, base, cfg, adapters, scale)
-        else:
-            _write_peft(tmp, cfg, lora, adapters, base)
+        if merged and (base is None or not (base / "config.json").is_file()):
+            raise CheckpointError(f"--merged needs the HF base model directory; {base} is not one (--base)")
+        # every rank read the adapters; one writes (in a distributed run the others would race
+        # it on the same files of the shared directory) and the publish below waits for it
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            if merged:
+                _write_merged(tmp, base, cfg, adapters, scale)
+            else:
+                _write_peft(tmp, cfg, lora, adapters, base)
         _publish_collectively(tmp, out, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

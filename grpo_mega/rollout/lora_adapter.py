@@ -11,8 +11,9 @@ max_loras=1)``, ``LLMEngine.add_lora(LoRARequest(...))``, ``generate(..., lora_r
   deleted (vLLM reads a directory only when it loads it). It works in every engine mode,
   since ``add_lora`` reaches a child-process engine core too.
 * Every later generate passes the same ``LoRARequest`` without ``load_inplace`` (with it,
-  vLLM would reload the directory for every batch). The caller resets the prefix cache
-  after a load: vLLM keys cached KV by adapter id, which stays the same.
+  vLLM would reload the directory for every batch). vLLM keys cached KV by the adapter's
+  name and directory, and each load has a directory of its own, so no KV computed with
+  the adapter before is reused (the bridge resets the prefix cache anyway).
 * :func:`probe_adapter` (worker side, ``WorkerExtension.grpo_mega_probe_lora``) reads the
   adapter vLLM holds, for the weight bridge's verification: per HF module the columns
   ``cols`` of its update scale * B A, from the adapter vLLM registered (after vLLM's own

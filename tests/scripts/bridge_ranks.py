@@ -208,6 +208,72 @@ def _bridge_checks(rank: int, root: Path, report: dict) -> None:
         report["bad shape"] = str(e)
 
 
+LORA_RANK, LORA_ALPHA = 4, 8.0
+LORA_LAYOUTS = [(1, 1), (1, 2), (2, 1)]  # resumes of the TP2xPP2 save
+
+
+def _lora_checks(rank: int, root: Path, report: dict) -> None:
+    """LoRA on the qwen2 variant at TP2xPP2 (known adapters, ``lora_fixtures``): the merged and
+    the adapter-only exports, a checkpoint (adapters and moments only) resumed at TP1, PP2 and
+    TP2, and its PEFT / merged HF export (collective). Raw results under "lora";
+    tests/unit/checkpoint/test_lora_checkpoint.py asserts on them."""
+    import dataclasses
+    import json
+
+    from grpo_mega.bridge import export_hf_weights
+    from grpo_mega.bridge.export import export_adapter_buckets
+    from grpo_mega.bridge.lora import adapter_canonical
+    from grpo_mega.checkpoint import convert, load_checkpoint, save_checkpoint
+    from grpo_mega.checkpoint.lora_export import lora_to_peft
+    from grpo_mega.config import OptimizerConfig
+    from grpo_mega.optim import build_optimizer
+    from tests.scripts.lora_fixtures import canonical_adapters, lora_config, lora_model, set_adapters
+
+    hf_dir = root / "qwen2_bias" / "hf"
+    cfg = lora_config(convert.read_model_config(hf_dir), rank=LORA_RANK, alpha=LORA_ALPHA)
+    cfg = dataclasses.replace(cfg, hf_checkpoint=str(hf_dir))
+    canon = canonical_adapters(cfg)
+    ps = _reinit(2, 2)
+    model = lora_model(cfg, ps, hf_dir)
+    set_adapters(model, cfg, ps, canon)
+    out: dict = {"merged": dict(export_hf_weights(model, cfg, ps, bucket_bytes=SMALL_BUCKET)),
+                 "peft": dict(p for b in export_adapter_buckets(model, cfg, ps, bucket_bytes=SMALL_BUCKET) for p in b)}
+    opt = build_optimizer(model, OptimizerConfig(), ps)
+    with torch.no_grad(), opt.full_state():
+        for p in opt.params:  # moments a known function of their parameter, in every layout
+            for k, t in opt.state_tensors(p).items():
+                t.copy_(p * (0.5 if k == "exp_avg" else 0.25))
+    opt.adam_step = 3.0
+    common = json.loads(json.dumps({"model": dataclasses.asdict(cfg)}, default=str))
+    ckpt = save_checkpoint(root / "lora_ckpt", 3, model, opt, ps, common)
+    out["files"] = sorted(p.name for p in ckpt.iterdir())
+    out["bytes"] = sum(p.stat().st_size for p in ckpt.iterdir() if p.suffix == ".distcp")
+    from megatron.core import dist_checkpointing
+    out["keys"] = sorted(dist_checkpointing.load_tensors_metadata(str(ckpt)))
+    for tp, pp in LORA_LAYOUTS:
+        ps = _reinit(tp, pp)
+        resumed = lora_model(cfg, ps, hf_dir)  # fresh adapters: B = 0
+        opt = build_optimizer(resumed, OptimizerConfig(), ps)
+        load_checkpoint(ckpt, resumed, opt, ps, cfg)
+        got = {n: (a, b) for n, a, b in adapter_canonical(resumed, cfg, ps)}
+        with opt.full_state():
+            moments = sum(int(not torch.equal(t, p.detach() * (0.5 if k == "exp_avg" else 0.25)))
+                          for p in opt.params for k, t in opt.state_tensors(p).items())
+        out[f"resume tp{tp} pp{pp}"] = {
+            "names": sorted(got), "moments wrong": moments,
+            "wrong": [n for n, (a, b) in got.items() if not (torch.equal(a, canon[n][0]) and torch.equal(b, canon[n][1]))],
+            "adam_step": opt.adam_step}
+    peft_dir = lora_to_peft(ckpt, root / "lora_peft", progress=None)
+    merged_dir = lora_to_peft(ckpt, root / "lora_merged", merged=True, progress=None)
+    if rank == 0:
+        out["peft config"] = json.loads((peft_dir / "adapter_config.json").read_text())
+        out["peft files"] = read_hf_tensors(peft_dir)
+        out["merged files"] = read_hf_tensors(merged_dir)
+    else:
+        out = {k: v for k, v in out.items() if k.startswith("resume")}
+    report["lora"] = out
+
+
 def _rank_main(rank: int, world: int, root: str) -> dict:
     import os
 
@@ -220,6 +286,9 @@ def _rank_main(rank: int, world: int, root: str) -> dict:
         _variant_checks(rank, Path(root), vname, report)
         report[f"seconds after {vname}"] = time.perf_counter() - start
     _bridge_checks(rank, Path(root), report)
+    lora = time.perf_counter()
+    _lora_checks(rank, Path(root), report)
+    report["lora seconds"] = time.perf_counter() - lora
     report["seconds"] = time.perf_counter() - start
     from grpo_mega.checkpoint.convert import release_checkpoint_writer
 

@@ -296,6 +296,38 @@ def test_sync_after_training_step_makes_vllm_logprobs_match_trainer(rig):
 
 @pytest.mark.vllm
 @QWEN2_RIG
+def test_lora_merged_sync_gives_vllm_the_adapted_models_logprobs(rig):
+    """Guards against the merged LoRA sync (``model.lora.sync: merged``) sending the frozen base
+    (the adapter lost), adapter tensors as HF tensors of their own, or a wrong merge (scale,
+    B A transposed, fused rows): a LoRA copy of the rig's model takes an adapter step (B
+    nonzero), syncs into the rig's plain engine, and vLLM's log-probs equal the LoRA model's
+    (1e-4, fp32) while the sync sent exactly the base's HF tensors, verified. The rig's own
+    weights go back afterwards."""
+    from grpo_mega.models import forward_logits
+
+    from tests.scripts.lora_fixtures import adapter_params, lora_config, lora_model
+
+    cfg = lora_config(rig.cfg, rank=4, alpha=8.0, sync="merged")
+    lrig = Rig(rig.engine, lora_model(cfg, rig.ps, rig.hf_dir), cfg, rig.ps, None, rig.hf_dir)
+    opt = torch.optim.AdamW([p for _, p in adapter_params(lrig.model)], lr=2e-2)
+    x = torch.randint(0, cfg.vocab_size, (4, 16), generator=torch.Generator().manual_seed(5))
+    logp = forward_logits(lrig.model, x)[..., :cfg.vocab_size].float().log_softmax(-1)
+    (-logp[:, :-1].gather(-1, x[:, 1:, None]).mean()).backward()
+    opt.step()
+    trainer = _trainer_logprobs(lrig, SEQS)
+    assert _max_diff(trainer, _trainer_logprobs(rig, SEQS)) > 1e-2, "the adapter step should move the logprobs"
+    engine = Recording(rig.engine)
+    stats = _bridge(lrig, engine).sync()
+    hf = read_hf_tensors(rig.hf_dir)
+    assert sorted(n for b in engine.buckets for n in b) == sorted(hf)
+    assert (stats.tensors, stats.verified_tensors) == (len(hf), len(hf))
+    _assert_engine_matches_trainer(lrig, trainer)
+    _bridge(rig, rig.engine).sync()  # the rig's weights back for the tests after this one
+    assert _max_diff(_engine_prompt_logprobs(rig.engine.llm, SEQS), _trainer_logprobs(rig, SEQS)) <= TOL
+
+
+@pytest.mark.vllm
+@QWEN2_RIG
 def test_sync_that_skips_a_tensor_is_caught(rig):
     """Guards against training on with a stale engine: a sync that misses one module
     (stale weights) or one tensor of a fused layer (k without q, v: vLLM then rebuilds
