@@ -14,9 +14,8 @@ Options: ``--world-size N`` (default: tp x pp x dp from the config, dp=1 when it
 from, then the layout; exit 0 or 2), ``--require-paths`` (the files a
 training run reads: the data paths set and present, tokenizer files in ``model.hf_checkpoint``;
 ``launch/torchrun.sh`` adds it before it starts the trainer),
-``--write-budget`` (rewrite
-the ``# @budget-begin`` ... ``# @budget-end`` comment block of the config file), then ``--section.key=value``
-overrides exactly as the trainer takes them.
+``--write-budget`` (rewrite the ``# @budget-begin`` ... ``# @budget-end`` comment block of the config
+file), then ``--section.key=value`` overrides exactly as the trainer takes them.
 
 A refusal is one line on stderr, exit 2: ``config error: ...`` for a config no world size can
 run (a value, a YAML syntax error with its file, line and column, a missing data file, a
@@ -42,7 +41,7 @@ The budget is an estimate for the worst pipeline stage of one GPU, in GiB:
   over expert-DP = dp / ep only; ``optim/distributed.py``); a frozen reference copy when
   ``algorithm.kl_coef > 0`` (unless ``checkpoint.offload_reference``); Transformer Engine's
   FP8 weight caches with ``model.fp8`` (2 B/param: weight and transpose) and
-  ``model.reference_fp8`` (1 B/param).
+  ``model.reference_fp8`` (1 B/param). ``model.lora``: adapter-only grads and state, no reference (lora_budget.py).
 * activations (``activation_bytes``), with flash attention, per token and layer: ``4h``
   replicated (two norm inputs, QKV and fc1 inputs; ``/ tp`` with ``model.sequence_parallel``) plus
   ``((heads + 2 kv_heads) * head_dim + heads * head_dim + 3 ffn) / tp`` (q/k/v, attention
@@ -68,7 +67,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from grpo_mega.config import Config, ConfigError, ModelConfig, derived_dp, load_config, rollout_tp
-
+from grpo_mega.preflight.lora_budget import apply_lora
 from grpo_mega.preflight.shape import describe_shape, model_shape_from_hf
 from grpo_mega.preflight.params import ParamCount, count_params, head_dim, padded_vocab
 from grpo_mega.preflight.phases import (CUDA_GRAPH_POOL_GIB, RUNTIME_RESERVE_GIB, SAVE_GATHER_GIB, Row,
@@ -271,6 +270,7 @@ def memory_budget(cfg: Config, layout: Layout, gpu_gib: float = GPU_GIB) -> Budg
     b.trainer.append(Row("step gradients", opt_params * 4 / GiB if ours else 0.0,
                          "the reduced fp32 slice (master.grad), from the reduce-scatter to the end of the step"
                          if ours else "none beyond the gradients row", resident=False))
+    apply_lora(b.trainer, cfg, tp, pp, dp)  # frozen base: adapters' grads and state only, no reference
 
     hd = head_dim(m)
     inflight = min(pp, layout.micro_batches)
