@@ -22,3 +22,6 @@ __version__ = "0.1.0"
 from grpo_mega.runtime import lean_imports as _lean_imports
 
 _lean_imports.install()  # megatron's timers skip wandb (0.4 s per process); see the module
+from grpo_mega.runtime import dist_cache as _dist_cache
+
+_dist_cache.install()  # transformers' packages_distributions() from a file (0.25 s per process)
