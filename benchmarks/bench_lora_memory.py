@@ -14,10 +14,13 @@ trainable parameters from the backward to the step, Adam moments: bytes, exact),
 Python, torch, megatron imports, activations), the median update and reference CPU seconds
 of --repeats steps after a warm-up (this one-thread process: steadier than wall time on a
 shared machine), and the bytes a weight sync ships: every weight (full, and LoRA ``merged``:
-W + scale B A in the same names) or the adapters alone (LoRA ``adapter``). The sync's
-seconds into a real engine are ``bench_lora_sync.py``'s (it starts vLLM twice per size).
+W + scale B A in the same names) or the adapters alone (LoRA ``adapter``: the trainer's adapter
+tensors; PEFT's layout, which vLLM loads, repeats the shared A of q, k, v and of gate, up). The
+sync's seconds into a real engine, and PEFT's bytes, are ``bench_lora_sync.py``'s (it starts vLLM
+twice per size).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_lora_memory.py --shape 100m   # ~100M
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_lora_memory.py --shape 100m \
+        --samples 4 --prompt 32 --response 96 --repeats 2                           # 126M, ~2 min
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_lora_memory.py --smoke        # seconds, in-process
 
 Not a test: numbers depend on the machine and its load. TP=1, CPU, float32. Reward after the
