@@ -18,7 +18,7 @@ sharded):
 times ``num_layers / pp`` layers (no adapters on embeddings, norms or the output layer).
 Their activations (``x A^T``, r elements per token per adapted linear) are below 1% of a
 layer's and not counted. Pure arithmetic; ``tests/unit/preflight/test_budget_lora.py`` ties
-the count to ``grpo_mega.lora.lora_parameter_count`` of a built model.
+the count to ``grpo_mega.lora.lora_parameter_count`` of a built model (TP 1).
 """
 from __future__ import annotations
 

@@ -63,3 +63,25 @@ def test_lora_check_config_prints_the_adapter_rows(capsys):
     assert "34816" not in out and "0.03M LoRA adapter params (rank 4, 4 linears/layer), base frozen" in out
     assert "none: the reference is the actor with its LoRA adapters off" in out
     assert "Adam state of the LoRA adapters only (12 B/param), distributed over dp=2" in out
+
+
+def test_lora_budget_adapter_count_is_the_built_models():
+    """Guards against the budget's adapter count drifting from what ``attach_lora`` builds
+    (fused qkv/fc1 rows, GQA's kv heads, a target subset): counted against
+    ``lora_parameter_count`` of a real megatron model with adapters at TP 1."""
+    from grpo_mega import lora as L
+    from grpo_mega.config import LoraConfig
+    from grpo_mega.distributed.state import destroy_parallel, init_parallel
+    from grpo_mega.models import build_model
+
+    m = load_config(None, SHAPE + ["--parallel.tp=1"]).model
+    m.num_layers, m.vocab_size = 2, 256
+    try:
+        ps = init_parallel(1, 1, seed=0)
+        for targets in (["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"], ["linear_qkv", "linear_fc2"]):
+            lora = LoraConfig(rank=3, target_modules=targets)
+            model = build_model(m, ps)
+            L.attach_lora(model, lora, ps, seed=0)
+            assert L.lora_parameter_count(model) == adapter_params(m, lora, 1, 1), targets
+    finally:
+        destroy_parallel()
