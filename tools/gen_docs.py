@@ -310,6 +310,11 @@ def support_page() -> str:
             + " | `tests/unit/models/test_moe.py` |",
             "| MoE weight export (bridge) | " + ", ".join(lay(tp=tp, pp=pp, ep=ep) for tp, pp, ep in moe_export)
             + " | `tests/unit/models/test_moe.py` |",
+            "| LoRA: log-probs, initial A and B, adapter gradients (exact KL and k3) equal TP1 in float64 | "
+            "TP2, PP2, DP2 | `tests/unit/trainer/test_full_kl.py`, `tests/unit/lora/test_lora.py` |",
+            "| LoRA (`model.lora`): the demo task learns with adapters only (held-out gain), merged sync "
+            "(log-prob gap < 1e-4 every step), checkpoint of adapters and their moments only | TP2 (engine TP2) "
+            "| `tests/integration/test_demo.py` |",
             "", "## Recipes validated against the real model shapes", "",
             "Each file in `examples/` is validated at its launch command's world size against the named "
             "model's `config.json` (`tests/unit/test_recipes.py`): "

@@ -16,6 +16,10 @@ run directory ``runs/demo_moe``).
 (``grpo_mega/configs/demo_tools.yaml``, ``grpo_mega/demo/tools.py``, run directory
 ``runs/demo_tools``).
 
+``--lora`` runs the default demo (same task, TP=2) with low-rank adapters on the actor
+(rank 8, alpha 16 on every linear, lr 5e-4): the base stays frozen and, with the adapters
+off, is the KL reference (run directory ``runs/demo_lora``; docs/guides/lora.md).
+
 Extra arguments are passed to the trainer, e.g. ``--algorithm.steps=50``.
 Re-running resumes from the run directory's latest checkpoint; ``--fresh`` starts over.
 """
@@ -35,6 +39,9 @@ REPO = PACKAGE.parent  # tools/ lives at the top of the checkout
 CONFIG = PACKAGE / "configs" / "demo.yaml"
 CONFIG_MOE = PACKAGE / "configs" / "demo_moe.yaml"
 CONFIG_TOOLS = PACKAGE / "configs" / "demo_tools.yaml"
+# --lora: demo.yaml plus these (the user's own flags come after, so they win). LoRA moves
+# only the adapters, from B = 0, so it needs a larger step than full fine-tuning's 5e-5.
+LORA_OVERRIDES = ["--model.lora.rank=8", "--model.lora.alpha=16", "--optimizer.lr=5.0e-4"]
 
 
 def demo_env(argv: list[str]) -> dict:
@@ -51,13 +58,14 @@ def demo_env(argv: list[str]) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    fresh, moe, tools = "--fresh" in argv, "--moe" in argv, "--tools" in argv
-    if moe and tools:
-        say("--moe and --tools are separate demos; pick one")
+    fresh, moe, tools, lora = "--fresh" in argv, "--moe" in argv, "--tools" in argv, "--lora" in argv
+    if moe + tools + lora > 1:
+        say("--moe, --tools and --lora are separate demos; pick one")
         return 2
-    argv = [a for a in argv if a not in ("--fresh", "--moe", "--tools")]
+    argv = [a for a in argv if a not in ("--fresh", "--moe", "--tools", "--lora")]
     run_dir = Path(next((a.split("=", 1)[1] for a in argv if a.startswith("--logging.run_dir=")),
-                        "runs/demo_moe" if moe else "runs/demo_tools" if tools else "runs/demo"))
+                        "runs/demo_moe" if moe else "runs/demo_tools" if tools
+                        else "runs/demo_lora" if lora else "runs/demo"))
     if fresh:
         shutil.rmtree(run_dir, ignore_errors=True)
     if tools:
@@ -72,8 +80,10 @@ def main(argv: list[str]) -> int:
         subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), "hf-to-mcore",
                         "--hf-dir", str(assets / "hf"), "--out", str(mcore)], check=True, env=env)
     layout = ("TP=1 x DP=2 with expert parallelism EP=2 (a tiny Qwen3-MoE, 4 experts, top-2)"
-              if moe else "TP=2, multi-turn episodes with a calculator tool" if tools else "TP=2")
-    model = "TP=1 x DP=2, EP=2 mixture-of-experts" if moe else "TP=2"
+              if moe else "TP=2, multi-turn episodes with a calculator tool" if tools
+              else "TP=2, LoRA adapters on a frozen base" if lora else "TP=2")
+    model = ("TP=1 x DP=2, EP=2 mixture-of-experts" if moe
+             else "TP=2 (LoRA: adapters only, base frozen)" if lora else "TP=2")
     say(f"launching GRPO: torchrun, 2 ranks, {layout} over gloo, vLLM rollouts, KL to a reference "
         "model (per-step lines below; held-out accuracy every 20 steps)")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -81,7 +91,7 @@ def main(argv: list[str]) -> int:
            str(CONFIG_MOE if moe else CONFIG_TOOLS if tools else CONFIG),
            f"--model.hf_checkpoint={assets / 'hf'}", f"--model.init_checkpoint={mcore}",
            f"--data.train_path={assets / 'train.jsonl'}", f"--data.eval_path={assets / 'eval.jsonl'}",
-           f"--logging.run_dir={run_dir}", *argv]
+           f"--logging.run_dir={run_dir}", *(LORA_OVERRIDES if lora else []), *argv]
     rc = subprocess.run(cmd, env=env).returncode
     summary_file = run_dir / "summary.json"
     if rc != 0 or not summary_file.exists():
@@ -89,7 +99,7 @@ def main(argv: list[str]) -> int:
         return rc or 1
     s = json.loads(summary_file.read_text())
     gain = (s["eval_accuracy_final"] - s["eval_accuracy_initial"]) * 100
-    flag = "--moe" if moe else "--tools" if tools else ""
+    flag = "--moe" if moe else "--tools" if tools else "--lora" if lora else ""
     again = f"make demo ARGS={flag}" if flag else "make demo"
     fresh_cmd = f'make demo ARGS="{flag} --fresh"' if flag else "make demo ARGS=--fresh"
     print(f"""

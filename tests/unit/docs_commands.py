@@ -183,7 +183,11 @@ def check_command(line: str) -> str:
             if a.startswith("ARGS=") and plain == ["mutations"]:
                 _check_tool("tools/mutations.py", shlex.split(a[5:]))
             elif a.startswith("ARGS="):
-                demo_args = [x for x in shlex.split(a[5:]) if x not in ("--fresh", "--moe", "--verbose")]
+                demo_args = shlex.split(a[5:])
+                if "--lora" in demo_args:  # the demo adds its LoRA flags before the user's
+                    from grpo_mega.demo.__main__ import LORA_OVERRIDES
+                    demo_args = LORA_OVERRIDES + demo_args
+                demo_args = [x for x in demo_args if x not in ("--fresh", "--moe", "--tools", "--lora", "--verbose")]
                 from grpo_mega.config import load_config
                 load_config(str(REPO / "grpo_mega/configs/demo.yaml"), demo_args)
         return f"make {' '.join(plain)}"
