@@ -1,11 +1,10 @@
 """The gateway without HTTP: episodes, the chat call, rewards, and the trainer's batch.
 
 :class:`Gateway` is what the HTTP layer (``gateway.http``) calls and what a trainer holds:
-``open_episode`` / ``chat`` / ``set_reward`` / ``finish`` / ``collect``. Each chat call is
-served under its episode's lock (an episode is one conversation; its calls are ordered),
-generation goes through the one engine thread (``gateway.batcher``), and the record is
-updated only after the engine answered (a failed call leaves the episode as it was).
-"""
+``open_episode`` / ``chat`` / ``set_reward`` / ``finish`` / ``collect``. Each chat call is served
+under its episode's lock (an episode is one conversation; its calls are ordered), generation goes
+through the one engine thread (``gateway.batcher``), and the record is updated only after the
+engine answered (a failed call leaves the episode as it was)."""
 from __future__ import annotations
 
 import collections
@@ -25,9 +24,8 @@ from grpo_mega.envs.types import Message
 from grpo_mega.gateway.batcher import Batcher, Job, Sampled
 from grpo_mega.gateway.config import GatewayConfig
 from grpo_mega.gateway.episode import Episode, Rewrite
-from grpo_mega.gateway.openai_api import (
-    ChatRequest, GatewayError, completion_response, normalize_message, parse_chat_request,
-)
+from grpo_mega.gateway.openai_api import (ChatRequest, GatewayError, completion_response, normalize_message,
+                                          parse_chat_request)
 from grpo_mega.rollout.multi_turn import TurnCodec
 from grpo_mega.rollout.types import RolloutBatch, SamplingConfig
 
