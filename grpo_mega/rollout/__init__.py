@@ -16,10 +16,10 @@ Tests: ``OMP_NUM_THREADS=1 .venv/bin/python -m pytest -q tests/unit/rollout/test
 """
 from grpo_mega.rollout.engine import RolloutEngine, resolve_engine_mode
 from grpo_mega.rollout.types import (
-    AsyncRolloutEngineProtocol, ENGINE_MODES, EngineConfig, RolloutBatch, RolloutEngineProtocol, SamplingConfig, logprobs_mode_for,
+    AdapterRolloutEngineProtocol, AsyncRolloutEngineProtocol, ENGINE_MODES, EngineConfig, RolloutBatch, RolloutEngineProtocol, SamplingConfig, logprobs_mode_for,
 )
 
 __all__ = [
     "ENGINE_MODES", "SamplingConfig", "EngineConfig", "RolloutBatch", "RolloutEngine",
-    "RolloutEngineProtocol", "AsyncRolloutEngineProtocol", "resolve_engine_mode", "logprobs_mode_for",
+    "RolloutEngineProtocol", "AsyncRolloutEngineProtocol", "AdapterRolloutEngineProtocol", "resolve_engine_mode", "logprobs_mode_for",
 ]

@@ -309,6 +309,21 @@ class RolloutEngineProtocol(Protocol):
         ...
 
 
+class AdapterRolloutEngineProtocol(RolloutEngineProtocol, Protocol):
+    """What ``model.lora.sync: adapter`` also calls: the engine serves its base plus one LoRA
+    adapter (``rollout.lora_adapter``); the bridge checks an engine has both at start-up."""
+
+    def load_adapter(self, pairs: Sequence[tuple[str, torch.Tensor]], config: dict) -> float:
+        """Serve base + this adapter (PEFT names and ``adapter_config.json`` fields) from now
+        on; returns the seconds it took."""
+        ...
+
+    def probe_adapter(self, specs: Sequence[tuple[str, list[int]]]) -> list[dict]:
+        """Columns of scale * B A of the served adapter, per HF module, one dict per worker
+        (the bridge's verification)."""
+        ...
+
+
 class AsyncRolloutEngineProtocol(RolloutEngineProtocol, Protocol):
     """What asynchronous GRPO (``rollout.placement: separate``) also calls, on global rank 0
     (``grpo_mega.rollout.remote.RemoteEngines``; the other ranks' stand-in ignores it)."""
