@@ -107,6 +107,7 @@ SLOW_FIRST = ("tests/integration/test_layouts.py", "tests/integration/test_demo.
               "tests/integration/test_train.py", "tests/integration/test_async.py",
               "tests/integration/test_kill.py", "tests/integration/test_layout_invariance.py",
               "tests/integration/test_layouts_multi_turn.py", "tests/integration/test_launch.py",
+              "tests/integration/test_gateway_train.py", "tests/integration/test_console.py",
               "tests/unit/optim/test_distributed_optimizer.py", "tests/unit/models/test_parallel_models.py",
               "tests/unit/checkpoint/test_convert.py", "tests/unit/rollout/test_remote_engine.py",
               "tests/unit/rollout/test_engine.py")
