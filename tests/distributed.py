@@ -119,3 +119,18 @@ def _launch(world_size: int, fn, args, timeout: float, backend: str) -> tuple[di
         if p.is_alive():
             p.kill()
     return results, errors, port_taken
+
+
+def world2_layouts(rows: int = 6):
+    """Inside a 2-rank launch: TP=2, PP=2 and DP=2 one after another, yielding ``(name, ps,
+    this rank's row slice)`` (each DP rank half of ``rows``), the model-parallel state
+    rebuilt between them; the tests that compare a layout with TP=1 share it."""
+    from megatron.core import parallel_state as mpu
+
+    from grpo_mega.distributed.state import init_parallel
+
+    for name, (tp, pp) in (("tp2", (2, 1)), ("pp2", (1, 2)), ("dp2", (1, 1))):
+        mpu.destroy_model_parallel()
+        ps = init_parallel(tp, pp, seed=11)
+        half = rows // 2
+        yield name, ps, slice(half * ps.dp_rank, half * ps.dp_rank + half) if ps.dp > 1 else slice(0, rows)

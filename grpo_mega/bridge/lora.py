@@ -29,6 +29,7 @@ import torch
 from grpo_mega.config import ModelConfig
 from grpo_mega.models import hf as mapping
 from grpo_mega.models import layout as mcore_layout
+from grpo_mega.lora import adapted_modules
 from grpo_mega.models.gpt import unwrap_model
 
 __all__ = ["PEFT_PREFIX", "adapted_modules", "peft_config", "peft_pairs", "peft_target_modules", "adapter_canonical",
@@ -37,11 +38,6 @@ __all__ = ["PEFT_PREFIX", "adapted_modules", "peft_config", "peft_pairs", "peft_
 _LAYER = re.compile(r"layers\.\d+\.")
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before a wrapped causal LM's own parameter names."""
-
-
-def adapted_modules(model) -> dict[str, torch.nn.Module]:
-    """Local qualified name -> module, for every linear carrying an adapter (``lora_scale``)."""
-    return {n: m for n, m in unwrap_model(model).named_modules() if hasattr(m, "lora_scale")}
 
 
 def merged_weight(module) -> torch.Tensor:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from grpo_mega.checkpoint.io import CheckpointError
+from grpo_mega.lora import adapted_modules
 from grpo_mega.models import layout as mcore_layout
 from grpo_mega.models.gpt import unwrap_model
 
@@ -39,11 +40,7 @@ _WEIGHT_FILES = (".safetensors", ".distcp", ".bin", ".pt", ".metadata", "metadat
 
 
 def has_lora(model) -> bool:
-    return any(".lora_A." in n for n, _ in unwrap_model(model).named_parameters())
-
-
-def _adapted(model) -> dict:
-    return {n: m for n, m in unwrap_model(model).named_modules() if hasattr(m, "lora_scale")}
+    return bool(adapted_modules(model))
 
 
 def lora_sharded_state_dict(model, ps, num_layers: int) -> dict:
@@ -54,7 +51,7 @@ def lora_sharded_state_dict(model, ps, num_layers: int) -> dict:
     model = unwrap_model(model)
     per = num_layers // ps.pp
     out = {}
-    for local, m in _adapted(model).items():
+    for local, m in adapted_modules(model).items():
         base = mcore_layout.to_global_name(local + ".weight", ps.pp_rank, per)
         column = m.lora_parallel == "column"
         for factor in ("lora_A", "lora_B"):

@@ -35,7 +35,7 @@ from grpo_mega.config import LoraConfig
 from grpo_mega.models.gpt import unwrap_model
 from grpo_mega.models.layout import expert_offset, to_global_name
 
-__all__ = ["attach_lora", "lora_named_parameters", "is_lora_name", "adapters_disabled",
+__all__ = ["attach_lora", "adapted_modules", "lora_named_parameters", "is_lora_name", "adapters_disabled",
            "merged_local_weight", "LORA_INITS", "lora_parameter_count", "ReferenceView"]
 
 COLUMN, ROW = ("linear_qkv", "linear_fc1"), ("linear_proj", "linear_fc2")
@@ -135,8 +135,9 @@ def attach_lora(model, lora: LoraConfig, ps, seed: int = 0) -> None:
         raise ValueError(f"no linear of this stage matches model.lora.target_modules={lora.target_modules}")
 
 
-def _adapted(model) -> list:
-    return [m for m in unwrap_model(model).modules() if hasattr(m, "lora_scale")]
+def adapted_modules(model) -> dict[str, torch.nn.Module]:
+    """Local qualified name -> module, for every linear of this stage carrying an adapter."""
+    return {n: m for n, m in unwrap_model(model).named_modules() if hasattr(m, "lora_scale")}
 
 
 def lora_named_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
@@ -151,7 +152,7 @@ def lora_parameter_count(model) -> int:
 @contextlib.contextmanager
 def adapters_disabled(model) -> Iterator[None]:
     """Inside, every adapter is off: the model computes its frozen base exactly."""
-    mods = _adapted(model)
+    mods = list(adapted_modules(model).values())
     before = [m.lora_enabled for m in mods]
     for m in mods:
         m.lora_enabled = False

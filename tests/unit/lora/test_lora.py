@@ -144,17 +144,9 @@ def lora_paths(ps, rows: slice = slice(0, 6)) -> dict:
 
 def lora_rank(rank, world) -> dict:
     """TP=2, PP=2 and DP=2 in the 2 ranks of ``test_full_kl``'s launch."""
-    from megatron.core import parallel_state as mpu
+    from tests.distributed import world2_layouts
 
-    from grpo_mega.distributed.state import init_parallel
-
-    res = {}
-    for name, (tp, pp) in (("tp2", (2, 1)), ("pp2", (1, 2)), ("dp2", (1, 1))):
-        mpu.destroy_model_parallel()
-        ps = init_parallel(tp, pp, seed=11)
-        rows = slice(3 * ps.dp_rank, 3 * ps.dp_rank + 3) if ps.dp > 1 else slice(0, 6)
-        res[name] = lora_paths(ps, rows)
-    return res
+    return {name: lora_paths(ps, rows) for name, ps, rows in world2_layouts()}
 
 
 @pytest.fixture(scope="module")

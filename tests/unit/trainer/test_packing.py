@@ -109,15 +109,10 @@ def packed_paths(ps, rows: slice = slice(0, 6), budget: int = BUDGET, fillers: i
 
 def packing_rank(rank, world) -> dict:
     """TP=2, PP=2 and DP=2 (each rank half the rows) in the 2 ranks of ``test_full_kl``'s launch."""
-    from megatron.core import parallel_state as mpu
-
-    from grpo_mega.distributed.state import init_parallel
+    from tests.distributed import world2_layouts
 
     res = {}
-    for name, (tp, pp) in (("tp2", (2, 1)), ("pp2", (1, 2)), ("dp2", (1, 1))):
-        mpu.destroy_model_parallel()
-        ps = init_parallel(tp, pp, seed=11)
-        rows = slice(3 * ps.dp_rank, 3 * ps.dp_rank + 3) if ps.dp > 1 else slice(0, 6)
+    for name, ps, rows in world2_layouts():
         # DP=2 under 8 tokens: rank 0's rows (5, 6, 3 tokens) fit 2 micro-batches, rank 1's
         # (7, 3, 6) need 3, so the count must be agreed (rank 0 then runs 3)
         res[name] = packed_paths(ps, rows, **(dict(budget=8, fillers=0) if ps.dp > 1 else {}))
