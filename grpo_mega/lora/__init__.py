@@ -121,12 +121,11 @@ def attach_lora(model, lora: LoraConfig, ps, seed: int = 0) -> None:
         mod.lora_A, mod.lora_B = torch.nn.Module(), torch.nn.Module()
         mod.lora_A.weight = _param(a, w)
         mod.lora_B.weight = _param(torch.zeros(out_local, lora.rank, dtype=torch.float64), w)
-        for p in (mod.lora_A.weight, mod.lora_B.weight):
-            # megatron's grad finalisation and optimizers read these on TP parameters
-            p.tensor_model_parallel = parallel == "column" and p is mod.lora_B.weight or \
-                parallel == "row" and p is mod.lora_A.weight
-            p.partition_dim = 0 if p is mod.lora_B.weight else 1
-            p.partition_stride = 1
+        # megatron's grad finalisation and optimizers read these on TP parameters: the one of
+        # A and B that is split over TP follows W (column: B's rows; row: A's columns)
+        split = mod.lora_B.weight if parallel == "column" else mod.lora_A.weight
+        for p, dim in ((mod.lora_A.weight, 1), (mod.lora_B.weight, 0)):
+            p.tensor_model_parallel, p.partition_dim, p.partition_stride = p is split, dim, 1
         mod.lora_scale, mod.lora_parallel, mod.lora_dropout = lora.alpha / lora.rank, parallel, lora.dropout
         mod.lora_tp, mod.lora_tp_group, mod.lora_enabled = ps.tp, ps.tp_group, True
         mod.register_forward_hook(_hook, with_kwargs=True)
