@@ -279,15 +279,37 @@ def _ensure_world() -> None:
 def _save_strategy():
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
+    in_process_write_results()
     # One writer thread per rank: the checkpoint is written once, 2 threads only add files.
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
 
 
+def in_process_write_results() -> None:
+    """Give megatron's checkpoint writer an in-process queue for its write results, before
+    its first save in this process.
+
+    Left alone, the writer's first save starts a ``multiprocessing`` Manager server with
+    the *spawn* method, a fresh interpreter that must import torch to unpickle the write
+    results it is sent: 2.3 CPU-s in every rank that saves (measured here), and a process
+    that can outlive a killed rank. The queue only carries results between the writer's threads and the
+    caller, both in this process, because every save here is synchronous (megatron's
+    ``execute_sync``; nothing uses its async save, whose writer process would need the
+    Manager). Idempotent; a no-op where megatron's module layout differs."""
+    import queue
+
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+    except ImportError:  # pragma: no cover - other megatron layouts
+        return
+    if getattr(fa, "_results_queue", "absent") is None:
+        fa._results_queue = queue.Queue()
+
+
 def release_checkpoint_writer() -> None:
-    """Shut down the multiprocessing Manager that megatron's checkpoint writer starts on
-    its first save and keeps for later saves. A process that exits normally does this
-    itself; call it before a process may be killed instead (a test harness), since the
-    Manager's server would outlive it and hold its stdout open."""
+    """Shut down a multiprocessing Manager that megatron's checkpoint writer may have
+    started (a save that did not go through ``in_process_write_results``). A process that
+    exits normally does this itself; call it before a process may be killed instead (a
+    test harness), since the Manager's server would outlive it and hold its stdout open."""
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
     except ImportError:  # pragma: no cover - other megatron layouts

@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from grpo_mega.checkpoint import lora_state, steps
 from grpo_mega.checkpoint.io import (CheckpointError, check_finite, check_object_entries, check_shard_files,
-                                     find_corrupt_shard, load_plain, read_index, weights_only_loads)
+                                     find_corrupt_shard, in_process_write_results, load_plain, read_index,
+                                     weights_only_loads)
 from grpo_mega.distributed.state import ParallelState
 from grpo_mega.runtime.faults import fault_point
 from grpo_mega.models import sharded_state_dict
@@ -200,6 +201,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, model, optimizer, ps: Pa
         sharded = {"model": model_sd, "optimizer": _optimizer_sharded(model_sd, optimizer)}
         if reference is not None:
             sharded["reference"] = _reference_sharded(reference, ps)
+        in_process_write_results()
         dist_checkpointing.save(sharded, str(tmp))
         fault_point("checkpoint.save")  # shards written, rank files and metadata not yet
     torch.save({**rng_state(), "layout": (ps.tp, ps.pp, ps.dp), "adam_step": optimizer.adam_step},

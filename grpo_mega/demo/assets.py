@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import torch
+# No module-level torch: the reward workers import this module for exact_match_reward, and
+# torch would be ~1.5 CPU-s of each worker's start (the functions that need it import it).
 
 VERSION = "v1"
 VARIANTS = {
@@ -80,9 +81,15 @@ def _build_tokenizer(out: Path) -> Path:
     return write_hf_tokenizer_dir(model, out / "tokenizer")
 
 
-@torch.no_grad()
 def greedy_accuracy(model, tok, rows: list[dict], max_new: int = 5) -> float:
     """Batched greedy decoding with the HF model (prompts right-aligned by length buckets)."""
+    import torch
+
+    with torch.no_grad():
+        return _greedy_accuracy(torch, model, tok, rows, max_new)
+
+
+def _greedy_accuracy(torch, model, tok, rows: list[dict], max_new: int) -> float:
     correct = 0
     by_len: dict[int, list[dict]] = {}
     for r in rows:
@@ -123,6 +130,7 @@ def supervised_warm_start(hf_dir: Path, tok, train: list[dict], evals: list[dict
 
     Both demos (addition, and the tool-use episodes of ``demo.tools``) warm start through
     this one loop; a rebuild with the same seed repeats the packaged assets' draws."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)

@@ -75,6 +75,28 @@ def test_weighted_sum_of_rewards_in_worker_processes():
     assert result.failures == []
 
 
+def torch_loaded_reward(prompt, completion, reference, metadata, **kwargs):
+    """1.0 when the worker process running it has imported torch."""
+    import sys
+
+    return float("torch" in sys.modules)
+
+
+def test_trainer_reward_workers_start_without_torch(monkeypatch):
+    """Guards against reward workers of ``python -m grpo_mega.train`` loading torch (~1.5
+    CPU-s per worker, two per rank, every run): through the trainer's main module, which a
+    spawned child re-imports as ``__mp_main__``, or through the demo's reward module."""
+    import importlib.util
+    import sys
+
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", importlib.util.find_spec("grpo_mega.train"))
+    probe = "tests.unit.rewards.test_rewards:torch_loaded_reward"
+    result = score_samples(samples("3", "4"), ["grpo_mega.demo.assets:exact_match_reward", probe],
+                           num_workers=1, timeout_s=60)
+    assert result.components["grpo_mega.demo.assets:exact_match_reward"] == [1.0, 0.0]
+    assert result.components[probe] == [0.0, 0.0], "a reward worker imported torch"
+
+
 def test_raising_reward_stops_the_run_by_default():
     """A broken reward must not silently become 0: the default is a clear
     error naming the sample, the reward and the exception."""
