@@ -67,8 +67,9 @@ def plot_figure(history: list[dict]):
 
 class MetricsSink:
     def __init__(self, run_dir: str, *, tensorboard: bool = True, wandb: bool = False,
-                 total_steps: int = 0, config: Optional[dict] = None):
+                 total_steps: int = 0, config: Optional[dict] = None, plot: bool = True):
         self.dir = Path(run_dir)
+        self.plot = plot
         self.dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = open(self.dir / "metrics.jsonl", "a")
         self.total = total_steps
@@ -121,11 +122,12 @@ class MetricsSink:
         return "  ".join(parts)
 
     def finish(self, summary: dict) -> dict:
-        """Write summary.json and reward.png (reward and eval accuracy over steps, and below
-        them the seconds of each stage per step); returns the summary."""
+        """Write summary.json and (unless ``plot`` is off) reward.png (reward and eval accuracy
+        over steps, and below them the seconds of each stage per step); returns the summary."""
         (self.dir / "summary.json").write_text(json.dumps(summary, indent=1))
         try:
-            self._plot()
+            if self.plot:
+                self._plot()
         except Exception as e:  # noqa: BLE001 - a missing matplotlib must not lose the run
             print(f"[metrics] plot skipped: {e}", flush=True)
         self.jsonl.close()
@@ -154,4 +156,4 @@ def open_sink(cfg: Config) -> MetricsSink:
     Path(lc.run_dir).mkdir(parents=True, exist_ok=True)
     (Path(lc.run_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
     return MetricsSink(lc.run_dir, tensorboard=lc.tensorboard, wandb=lc.wandb,
-                       total_steps=cfg.algorithm.steps, config=to_dict(cfg))
+                       total_steps=cfg.algorithm.steps, config=to_dict(cfg), plot=lc.plot)

@@ -32,7 +32,7 @@ def _args(run: Path, steps: int, *extra: str) -> list[str]:
             f"--data.train_path={ASSETS / 'train.jsonl'}", f"--data.eval_path={ASSETS / 'eval.jsonl'}",
             f"--logging.run_dir={run}", f"--algorithm.steps={steps}", "--data.eval_every=0",
             f"--data.prompts_per_step={PROMPTS}", "--parallel.micro_batch_size=32", "--optimizer.lr=1e-4",
-            "--checkpoint.save_every=0", "--algorithm.time_limit_minutes=0", "--logging.tensorboard=false",
+            "--checkpoint.save_every=0", "--algorithm.time_limit_minutes=0", "--logging.tensorboard=false", "--logging.plot=false",
             "--logging.progress=false", *extra]
 
 

@@ -30,7 +30,7 @@ def test_demo_entry_point_converts_and_trains(tmp_path):
     env.pop("VLLM_LOGGING_LEVEL", None)
     r = subprocess.run([sys.executable, "-m", "grpo_mega.demo", "--fresh", "--algorithm.steps=2",
                         "--data.eval_every=0", "--checkpoint.save_every=0",
-                        "--logging.tensorboard=false", f"--logging.run_dir={run_dir}"],
+                        "--logging.tensorboard=false", "--logging.plot=false", f"--logging.run_dir={run_dir}"],
                        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                        timeout=600)
     out = r.stdout
@@ -86,7 +86,7 @@ def test_moe_demo_entry_point_trains_with_expert_parallelism(tmp_path):
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-m", "grpo_mega.demo", "--moe", "--fresh", "--algorithm.steps=2",
                         "--data.eval_every=0", "--checkpoint.save_every=0",
-                        "--logging.tensorboard=false", f"--logging.run_dir={run_dir}"],
+                        "--logging.tensorboard=false", "--logging.plot=false", f"--logging.run_dir={run_dir}"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
@@ -166,5 +166,5 @@ def _learning_demo(tmp_path, run_dir, flag: str, steps: int) -> subprocess.Compl
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-m", "grpo_mega.demo", flag, "--fresh", f"--algorithm.steps={steps}",
                            f"--data.eval_every={steps}", "--checkpoint.save_every=0", "--logging.progress=false",
-                           "--logging.tensorboard=false", f"--logging.run_dir={run_dir}"],
+                           "--logging.tensorboard=false", "--logging.plot=false", f"--logging.run_dir={run_dir}"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)

@@ -48,7 +48,7 @@ def test_gateway_train_agent_program_drives_the_episodes(tmp_path):
     r = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "grpo_mega.train",
               *_args(run), "--parallel.tp=2", "--rollout.tp=1", "--rollout.verify_sync=true", "--algorithm.steps=2",
               "--data.prompts_per_step=4", "--parallel.micro_batch_size=32", "--data.eval_every=0",
-              "--logging.tensorboard=false",
+              "--logging.tensorboard=false", "--logging.plot=false",
               "--logging.progress=false", "--checkpoint.export_hf=never"], 600)
     assert "agent started" in r.stdout, r.stdout[-2000:]
     served = re.findall(r"calls served per engine replica: \[(\d+), (\d+)\]", r.stdout)

@@ -55,7 +55,7 @@ JOB = ("grpo_mega.train", "grpo_mega/configs/demo.yaml",
        [f"--model.hf_checkpoint={DEMO / 'hf'}", f"--data.train_path={DEMO / 'train.jsonl'}",
         f"--data.eval_path={DEMO / 'eval.jsonl'}", "--algorithm.steps=2", "--data.eval_every=0",
         "--data.prompts_per_step=4", "--parallel.micro_batch_size=16",
-        "--algorithm.time_limit_minutes=0", "--logging.tensorboard=false",
+        "--algorithm.time_limit_minutes=0", "--logging.tensorboard=false", "--logging.plot=false",
         f"--logging.run_dir={tempfile.mkdtemp(prefix='grpo_launch_')}"],
        "[grpo] done:")
 

@@ -228,7 +228,7 @@ def _run(tmp: str):
            f"--model.hf_checkpoint={ASSETS / 'hf'}", f"--data.train_path={ASSETS / 'train.jsonl'}",
            f"--data.eval_path={ASSETS / 'eval.jsonl'}", f"--logging.run_dir={run}",
            "--algorithm.steps=1", "--checkpoint.save_every=0", "--data.eval_every=0",
-           "--logging.tensorboard=false", "--logging.record_batches=true"]
+           "--logging.tensorboard=false", "--logging.plot=false", "--logging.record_batches=true"]
     env = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONWARNINGS": "ignore", "GRPO_TRACEBACK": "0"}
     import os
@@ -372,7 +372,7 @@ def _loop(run, tp: int, steps: int) -> list[str]:
         f"--model.hf_checkpoint={ASSETS / 'hf'}", f"--data.train_path={ASSETS / 'train.jsonl'}",
         f"--data.eval_path={ASSETS / 'eval.jsonl'}", f"--logging.run_dir={run}",
         f"--algorithm.steps={steps}", "--checkpoint.save_every=1", f"--checkpoint.keep_last={steps}",
-        "--data.eval_every=0", "--logging.tensorboard=false", "--logging.record_batches=true", "--optimizer.lr=1e-3",
+        "--data.eval_every=0", "--logging.tensorboard=false", "--logging.plot=false", "--logging.record_batches=true", "--optimizer.lr=1e-3",
         f"--optimizer.eps={EPS}"]
 
 

@@ -51,7 +51,7 @@ def _args(run_dir: Path) -> list[str]:
             f"--data.eval_path={ASSETS / 'eval.jsonl'}", f"--logging.run_dir={run_dir}",
             f"--algorithm.steps={STEPS}", "--data.eval_every=0", "--data.prompts_per_step=4",
             "--parallel.micro_batch_size=4", "--checkpoint.save_every=0",
-            "--algorithm.time_limit_minutes=0", "--logging.tensorboard=false"]
+            "--algorithm.time_limit_minutes=0", "--logging.tensorboard=false", "--logging.plot=false"]
 
 
 def _rows(run_dir: Path) -> dict[int, dict]:

@@ -29,7 +29,7 @@ def _multi_turn_args(run_dir: Path) -> list[str]:
             f"--data.eval_path={TOOLS / 'eval.jsonl'}", f"--logging.run_dir={run_dir}",
             f"--algorithm.steps={STEPS}", "--data.eval_every=0", "--data.prompts_per_step=4",
             "--parallel.micro_batch_size=4", "--checkpoint.save_every=0", "--algorithm.dynamic_sampling=true",
-            "--algorithm.time_limit_minutes=0", "--logging.tensorboard=false", "--logging.progress=false"]
+            "--algorithm.time_limit_minutes=0", "--logging.tensorboard=false", "--logging.plot=false", "--logging.progress=false"]
 
 
 def test_multi_turn_loop_at_pp2_dp2_with_two_engine_blocks_matches_the_unsharded_run(tmp_path):

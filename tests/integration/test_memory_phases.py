@@ -34,7 +34,7 @@ def _two_steps(rank, world, run_dir):
         f"--model.hf_checkpoint={ASSETS / 'hf'}", f"--data.train_path={ASSETS / 'train.jsonl'}",
         f"--data.eval_path={ASSETS / 'eval.jsonl'}", f"--logging.run_dir={run_dir}",
         "--algorithm.steps=2", "--data.eval_every=0", "--data.prompts_per_step=4",
-        "--parallel.micro_batch_size=8", "--checkpoint.save_every=0", "--logging.tensorboard=false",
+        "--parallel.micro_batch_size=8", "--checkpoint.save_every=0", "--logging.tensorboard=false", "--logging.plot=false",
         "--rollout.tp=2", "--rollout.engine_mode=external_launcher",
         "--optimizer.use_distributed_optimizer=true", "--rollout.sleep_between_rollouts=true"])
     t.engine.calls.clear()

@@ -30,7 +30,7 @@ def _cmd(run_dir: Path, steps: int = 6) -> list[str]:
             f"--data.eval_path={ASSETS / 'eval.jsonl'}", f"--logging.run_dir={run_dir}",
             f"--algorithm.steps={steps}", "--checkpoint.save_every=2", "--checkpoint.keep_last=5",
             "--data.eval_every=3", "--parallel.micro_batch_size=16", "--optimizer.lr=1e-4",
-            "--logging.tensorboard=false"]
+            "--logging.tensorboard=false", "--logging.plot=false"]
 
 
 def _weights(ckpt: Path) -> dict:
@@ -71,8 +71,8 @@ def test_sigkilled_run_resumes_past_a_ref_reset_to_the_same_weights(tmp_path):
     uninterrupted run's, and so must its stored reference."""
     reset = ["--algorithm.ref_reset_every=4", "--checkpoint.offload_reference=true"]
     straight = tmp_path / "straight"
-    r = subprocess.run(_cmd(straight, steps=8) + reset, env=ENV, capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run(_cmd(straight, steps=8) + reset + ["--logging.plot=true"], env=ENV,
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["eval_accuracy_initial"] is not None

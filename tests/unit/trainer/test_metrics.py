@@ -44,6 +44,21 @@ def test_reward_png_has_a_panel_of_seconds_per_stage(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text()) == {"steps": 3}
 
 
+def test_logging_plot_false_draws_no_png_and_reaches_the_sink(tmp_path):
+    """Guards against ``--logging.plot=false`` (the tests' short runs) still importing
+    matplotlib and drawing reward.png, or not reaching the sink the trainer opens."""
+    from grpo_mega.config import load_config
+    from grpo_mega.trainer.metrics import open_sink
+
+    cfg = load_config(None, [f"--logging.run_dir={tmp_path}", "--logging.plot=false",
+                             "--logging.tensorboard=false"])
+    sink = open_sink(cfg)
+    sink.log(1, {"reward_mean": 0.5}, console=False)
+    sink.finish({"steps": 1})
+    assert not (tmp_path / "reward.png").exists()
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"steps": 1}
+
+
 def test_tensorboard_events_hold_each_step_scalars_under_their_tags(tmp_path):
     """Guards against TensorBoard curves that differ from metrics.jsonl: a scalar under the
     wrong step or value, a metric left out, or a non-number logged (the sink writes one
