@@ -122,6 +122,32 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
 
 
+CPU_LOG = os.environ.get("GRPO_MEGA_TEST_CPU")
+"""A file to append each test's CPU seconds to (JSON lines: id, cpu_s, wall_s; setup and
+teardown included, its waited-for subprocesses too). Wall time on two shared cores says
+little about what a test costs; this is the budget's unit. Off unless set."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not CPU_LOG:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> float:
+        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    c0, t0 = cpu(), time.monotonic()
+    yield
+    row = {"id": item.nodeid, "cpu_s": round(cpu() - c0, 2), "wall_s": round(time.monotonic() - t0, 2)}
+    with open(CPU_LOG, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def pytest_sessionfinish(session, exitstatus):
     if os.environ.get("GRPO_MEGA_LEAK_CHECK", "1") == "0" or os.environ.get(MARKER) != _SESSION:
         return

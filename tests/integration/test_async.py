@@ -32,7 +32,8 @@ def _args(run: Path, steps: int, *extra: str) -> list[str]:
             f"--data.train_path={ASSETS / 'train.jsonl'}", f"--data.eval_path={ASSETS / 'eval.jsonl'}",
             f"--logging.run_dir={run}", f"--algorithm.steps={steps}", "--data.eval_every=0",
             f"--data.prompts_per_step={PROMPTS}", "--parallel.micro_batch_size=32", "--optimizer.lr=1e-4",
-            "--checkpoint.save_every=0", "--algorithm.time_limit_minutes=0", "--logging.tensorboard=false", "--logging.plot=false",
+            "--checkpoint.save_every=0", "--algorithm.time_limit_minutes=0", "--logging.tensorboard=false",
+            "--logging.plot=false",
             "--logging.progress=false", *extra]
 
 
@@ -85,13 +86,13 @@ def test_async_s0_on_separate_engines_equals_the_synchronous_loop_for_20_steps(t
         torch.testing.assert_close(wb[k], wa[k], rtol=0, atol=1e-6, msg=k)
 
 
-def _expected_uids(run: Path, steps: int, draws: int) -> list[str]:
+def _expected_uids(run: Path, steps: int, draws: int, args=_args) -> list[str]:
     """The prompt uids of the first ``draws`` draws, as the trainer's own data cursor draws them."""
     sys.path.insert(0, str(REPO))
     from grpo_mega.config import cli_config
     from grpo_mega.trainer.trainer import preflight
 
-    ds = preflight(cli_config(_args(run / "probe", steps)), 1).dataset
+    ds = preflight(cli_config(args(run / "probe", steps)), 1).dataset
     return [p.uid for _ in range(draws) for p in ds.next_batch(PROMPTS)]
 
 
@@ -153,3 +154,50 @@ def test_async_sigkill_mid_generation_update_and_sync_then_resume_trains_every_p
     assert any(rows[s]["staleness_frac_1"] > 0 for s in range(2, steps + 1)), rows
     print(f"\n[async] draws per step {[len(trained[s]) for s in sorted(trained)]}, each prompt once; "
           f"stale token share by step {[round(rows[s]['staleness_frac_1'], 3) for s in sorted(rows)]}")
+
+
+TOOLS = REPO / "grpo_mega" / "assets" / "demo_tools_v1"
+
+
+def _tools_args(run: Path, steps: int, *extra: str) -> list[str]:
+    """The tool demo's episodes (a calculator call, its result, an answer) in place of the
+    addition task, with the same run settings as ``_args``."""
+    return ["--config", str(REPO / "grpo_mega" / "configs" / "demo_tools.yaml"), "--parallel.tp=1",
+            f"--model.hf_checkpoint={TOOLS / 'hf'}",
+            f"--data.train_path={TOOLS / 'train.jsonl'}", f"--data.eval_path={TOOLS / 'eval.jsonl'}",
+            f"--logging.run_dir={run}", f"--algorithm.steps={steps}", "--data.eval_every=0",
+            f"--data.prompts_per_step={PROMPTS}", "--parallel.micro_batch_size=32", "--checkpoint.save_every=0",
+            "--algorithm.time_limit_minutes=0", "--logging.tensorboard=false", "--logging.plot=false",
+            "--logging.progress=false", *extra]
+
+
+def test_async_multi_turn_sigkill_mid_episodes_then_resume_trains_every_prompt_exactly_once(tmp_path):
+    """Guards asynchronous multi-turn GRPO (issue 40 deliverable 5) across a kill: a resumed
+    run that skips or repeats the prompts whose episodes were in flight (rank 0 plays them in
+    a background thread against the engine process, turn by turn), one that cannot restart
+    with the engine process and its half-played episodes gone, and an episode spanning
+    versions that trains a token older than S = 1. The tool demo's episodes on a separate
+    engine; the whole job is SIGKILLed while rank 0 holds before collecting step 2's
+    episodes (step 3's in flight on step 1's weights), then restarted with the same command:
+    the steps' draws must be the data cursor's, in order, each prompt once, every episode
+    token-exact and multi-turn, no token past the bound."""
+    steps = 4
+    run = tmp_path / "multi_turn"
+    cmd = _train(*_tools_args(run, steps, "--rollout.placement=separate", "--algorithm.max_staleness=1",
+                              "--checkpoint.save_every=1", "--checkpoint.keep_last=2"))
+    job = Job(cmd, "async.collect:hold@0#2")
+    job.wait_for("fault injected: hold at")
+    job.kill_all()
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000001", job.out[-3000:]
+    assert "resuming from" in _finish(Job(cmd))
+
+    trained = _trained_uids(run)
+    assert sorted(trained) == list(range(1, steps + 1))
+    flat = [u for s in range(1, steps + 1) for draw in trained[s] for u in draw]
+    assert flat == _expected_uids(run, steps, len(flat) // PROMPTS, _tools_args)
+    assert len(flat) == len(set(flat)) >= steps * PROMPTS
+    rows = _rows(run)
+    assert sorted(rows) == list(range(1, steps + 1))
+    for row in rows.values():
+        assert row["staleness_bound_violations"] == 0 and row["versions_spanned_max"] <= 2, row
+        assert row["token_mismatch"] == 0 and row["episode_turns"] > 1 and row["episode_env_tokens"] > 0, row
