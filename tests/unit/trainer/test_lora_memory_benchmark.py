@@ -12,7 +12,11 @@ def test_lora_memory_benchmark_smoke_counts_what_lora_drops(capsys):
     drives ``attach_lora``, ``ReferenceView``, ``compute_logprobs`` and ``update_policy``), and
     against a comparison of unlike states: the LoRA run must hold the same base weights, no
     reference copy, and gradients and Adam moments for the adapters only (full: a reference
-    as large as the weights, grads and moments for every parameter)."""
+    as large as the weights, grads and moments for every parameter). The learning comparison
+    (one GRPO step here) must start both modes from the same weights (a run that reseeded
+    only one of them compared unlike models: their held-out step-0 figures differ) with the
+    reference equal to the starting policy (a fresh random reference for full fine-tuning
+    puts a KL of order 1 into its first step instead of 0)."""
     spec = importlib.util.spec_from_file_location("bench_lora_memory", BENCH)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -24,4 +28,10 @@ def test_lora_memory_benchmark_smoke_counts_what_lora_drops(capsys):
     assert lora["grad_bytes"] == 4 * lora["trainable"] and full["grad_bytes"] == 4 * full["params"]
     assert lora["optimizer_bytes"] == 8 * lora["trainable"] and full["optimizer_bytes"] == 8 * full["params"]
     assert lora["sync_bytes"] == full["sync_bytes"] and lora["adapter_sync_bytes"] == 4 * lora["trainable"]
-    assert "lora / full: state" in capsys.readouterr().out
+    fl, ll = full["learn"], lora["learn"]
+    assert fl["base_sum"] == ll["base_sum"] and fl["lr"] != ll["lr"]
+    assert (fl["reward_before"], fl["accuracy_before"]) == (ll["reward_before"], ll["accuracy_before"])
+    assert len(fl["curve"]) == len(ll["curve"]) == 1
+    assert abs(fl["curve"][0]["kl"]) < 1e-6 and abs(ll["curve"][0]["kl"]) < 1e-6
+    out = capsys.readouterr().out
+    assert "lora / full: state" in out and "same initial weights in both modes: True" in out
