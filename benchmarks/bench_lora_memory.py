@@ -30,9 +30,11 @@ kl_coef 0.005 against the mode's reference, ``compute_logprobs`` + ``update_poli
 and LoRA each at their own learning rate (--lr-full, --lr-lora). Held out before and after:
 mean reward and accuracy (share of samples with reward >= --threshold) of --eval-samples
 sampled responses to each of --eval-prompts prompts, the same sampling seed each time.
+The defaults are those of the figures in docs/evidence/benchmarks-2026-11.md (lrs picked by a
+small sweep there); the peak RSS above is taken before this part.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_lora_memory.py --shape 100m \
-        --samples 4 --prompt 32 --response 96 --repeats 2                           # 126M, ~2 min
+        --samples 4 --prompt 32 --response 96 --repeats 2 --jobs 2   # 126M, 12 min (--learn-steps 0: 2)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_lora_memory.py --smoke        # seconds, in-process
 
 Not a test: numbers depend on the machine and its load. TP=1, CPU, float32.
