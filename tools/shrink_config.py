@@ -113,7 +113,7 @@ def shrunk_config(cfg, layout: dict[str, int], hf_dir: Path, run_dir: Path, moe:
                        num_workers=1)
     d["algorithm"].update(steps=2, time_limit_minutes=0.0)
     d["checkpoint"].update(dir=None, save_every=0, offload_reference=False)
-    d["logging"].update(run_dir=str(run_dir), tensorboard=False, wandb=False)
+    d["logging"].update(run_dir=str(run_dir), tensorboard=False, wandb=False, plot=False)
     return d
 
 
