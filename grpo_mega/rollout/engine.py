@@ -75,6 +75,7 @@ from grpo_mega.rollout.lora_adapter import AdapterMixin, lora_engine_kwargs
 from grpo_mega.rollout.samples import (check_budgets, request_seed as _request_seed,
                                        sampled_logprobs as _sampled_logprobs)
 from grpo_mega.rollout.sleep import SleepPhases
+from grpo_mega.rollout.torch_modes import outside_torch_function_modes
 from grpo_mega.rollout.types import EngineConfig, RolloutBatch, SamplingConfig, logprobs_mode_for, model_runner_env
 from grpo_mega.rollout.worker import clear_dead_weight_files, write_weight_file
 
@@ -278,15 +279,13 @@ class RolloutEngine(AdapterMixin, SleepPhases):
         try:
             from vllm import LLM
 
-            # vLLM runs several full garbage collections while it starts (model load, KV-cache
-            # profiling, its own freeze_gc_heap), each walking every object the imports and
-            # the trainer's models made. Freezing them takes them out of those walks, as vLLM's
-            # own start ends by doing anyway: a two-step CPU run takes 0.93x the CPU seconds
-            # (benchmarks/bench_startup.py). Frozen objects are still freed by refcounting;
-            # shutdown() unfreezes, so cyclic garbage frozen here lives at most as long as
-            # this engine.
+            # vLLM's start runs several full garbage collections (model load, KV-cache profiling,
+            # freeze_gc_heap), each walking every object our imports and models made: frozen,
+            # they are skipped (a two-step CPU run: 0.93x the CPU s, bench_startup.py). Refcounts
+            # still free them; shutdown() unfreezes (cyclic garbage lives as long as the engine).
             gc.freeze()
-            return LLM(**self._llm_kwargs())
+            with outside_torch_function_modes():
+                return LLM(**self._llm_kwargs())
         finally:
             for k, v in saved.items():
                 if v is None:
@@ -299,7 +298,8 @@ class RolloutEngine(AdapterMixin, SleepPhases):
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=2, logprobs=0, temperature=1.0, seed=0)
-        self.llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params, use_tqdm=False)
+        with outside_torch_function_modes():
+            self.llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], params, use_tqdm=False)
 
     # -- generation ------------------------------------------------------
     def _sampling_params(self, s: SamplingConfig, seed: int | None, max_tokens: int | None = None):
@@ -383,8 +383,9 @@ class RolloutEngine(AdapterMixin, SleepPhases):
         params = [self._sampling_params(s, _request_seed(s.seed, step, keys[i], s.n), budgets[i])
                   for i in range(len(ids))]
         start = time.perf_counter()
-        outputs = self.llm.generate(requests, params, use_tqdm=use_tqdm,
-                                    lora_request=self.lora_request) if requests else []
+        with outside_torch_function_modes():
+            outputs = self.llm.generate(requests, params, use_tqdm=use_tqdm,
+                                        lora_request=self.lora_request) if requests else []
         seconds = time.perf_counter() - start
         batch = RolloutBatch(prompt_ids=[], response_ids=[], logprobs=[], finish_reasons=[],
                              prompt_index=[], group_size=s.n, logprobs_mode=self.logprobs_mode,
