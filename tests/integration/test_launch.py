@@ -71,7 +71,9 @@ def launch_env(**overrides: str) -> dict:
     return env
 
 
-def run_script(args, env, timeout=60):
+def run_script(args, env, timeout=300):
+    # A hang guard, not a speed bound: a dry run takes ~7 s alone and once took over 60 s
+    # while the suite's 4-rank engines held both cores (2026-11-28 run).
     return subprocess.run([str(a) for a in args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
