@@ -111,6 +111,11 @@ def scoped_name(job_id: str, vllm_name: str) -> str:
     return f"{PREFIX}{job_id}-" + vllm_name.replace("/", "")
 
 
+def oversubscribed() -> bool:
+    """More ranks on this machine (torchrun's LOCAL_WORLD_SIZE) than cores this process may use."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > len(os.sched_getaffinity(0))
+
+
 def job_scoped_names(job_id: str) -> bool:
     """Make vLLM's CPU communicator name its segments after ``job_id`` (in this process;
     the engine's workers live here in ``external_launcher`` mode). Returns False, and
@@ -123,6 +128,11 @@ def job_scoped_names(job_id: str) -> bool:
     original = getattr(cls, "_grpo_vllm_make_group_name", None) or getattr(cls, "make_group_name", None)
     if cls is None or original is None:
         return False
+    if oversubscribed():
+        # Its all-reduce waits by spinning on the segment: with more ranks than cores a rank
+        # spins until its peer is scheduled (a 4-rank engine on 2 cores: 167-321 CPU-s for a
+        # 2-step test, 73 with gloo, which blocks). vLLM's own fallback then takes over.
+        cc.CpuCommunicator._all_group_ranks_share_shm_group_name = lambda self: False
     cls._grpo_vllm_make_group_name = original
     cls.make_group_name = staticmethod(lambda communicator: scoped_name(job_id, original(communicator)))
     return True

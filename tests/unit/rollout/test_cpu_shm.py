@@ -60,3 +60,17 @@ def test_restart_removes_weight_files_of_dead_writers_only(tmp_path):
         assert clear_dead_weight_files(str(tmp_path)) == [stale.name]
         assert Path(live).exists() and Path(live).name.startswith(f"{WEIGHT_FILE_PREFIX}{os.getpid()}_")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_oversubscribed_when_this_machine_has_more_ranks_than_cores(monkeypatch):
+    """Guards against vLLM's spinning shared-memory all-reduce kept where ranks outnumber the
+    cores (a 4-rank engine on 2 cores: 167-321 CPU-s for a 2-step test, 73 with gloo), and
+    against dropping it where every rank has a core (its segments are then what the engine
+    uses, and what the restart clean-up is tested on)."""
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores + 1))
+    assert cpu_shm.oversubscribed()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
+    assert not cpu_shm.oversubscribed()
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert not cpu_shm.oversubscribed()
