@@ -291,10 +291,10 @@ def in_process_write_results() -> None:
     Left alone, the writer's first save starts a ``multiprocessing`` Manager server with
     the *spawn* method, a fresh interpreter that must import torch to unpickle the write
     results it is sent: 2.3 CPU-s in every rank that saves (measured here), and a process
-    that can outlive a killed rank. The queue only carries results between the writer's threads and the
-    caller, both in this process, because every save here is synchronous (megatron's
-    ``execute_sync``; nothing uses its async save, whose writer process would need the
-    Manager). Idempotent; a no-op where megatron's module layout differs."""
+    that can outlive a killed rank. The queue only carries results between the writer's
+    threads and the caller, both in this process, because every save here is synchronous
+    (megatron's ``execute_sync``; nothing uses its async save, whose writer process would
+    need the Manager). Idempotent; a no-op where megatron's module layout differs."""
     import queue
 
     try:

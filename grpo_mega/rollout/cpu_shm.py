@@ -118,8 +118,10 @@ def oversubscribed() -> bool:
 
 def job_scoped_names(job_id: str) -> bool:
     """Make vLLM's CPU communicator name its segments after ``job_id`` (in this process;
-    the engine's workers live here in ``external_launcher`` mode). Returns False, and
-    changes nothing, where this vLLM has no such communicator (GPU builds, other versions)."""
+    the engine's workers live here in ``external_launcher`` mode), and, where this machine
+    has more ranks than cores (``oversubscribed``), not use the segments at all (gloo
+    instead, below). Returns False, and changes nothing, where this vLLM has no such
+    communicator (GPU builds, other versions)."""
     try:
         from vllm.distributed.device_communicators import cpu_communicator as cc
     except Exception:  # noqa: BLE001 - a vLLM without the CPU communicator has no segments
