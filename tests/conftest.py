@@ -123,8 +123,9 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 CPU_LOG = os.environ.get("GRPO_MEGA_TEST_CPU")
-"""A file to append each test's CPU seconds to (JSON lines: id, cpu_s, wall_s; setup and
-teardown included, its waited-for subprocesses too). Wall time on two shared cores says
+"""A file to append each test's CPU seconds to (JSON lines: id, cpu_s, wall_s, end: the
+Unix time it ended, worker: the xdist worker; setup and teardown included, its waited-for
+subprocesses too: a SIGKILLed one's are not). Wall time on two shared cores says
 little about what a test costs; this is the budget's unit. Off unless set."""
 
 
@@ -137,18 +138,23 @@ def pytest_runtest_protocol(item, nextitem):
     import resource
     import time
 
+    from tests.distributed import RANK_CPU_S  # run_ranks' ranks: the fork server's children
+
     def cpu() -> float:
         own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + RANK_CPU_S[0]
 
     c0, t0 = cpu(), time.monotonic()
     yield
-    row = {"id": item.nodeid, "cpu_s": round(cpu() - c0, 2), "wall_s": round(time.monotonic() - t0, 2)}
+    row = {"id": item.nodeid, "cpu_s": round(cpu() - c0, 2), "wall_s": round(time.monotonic() - t0, 2),
+           "end": round(time.time(), 1), "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
     with open(CPU_LOG, "a") as f:
         f.write(json.dumps(row) + "\n")
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if "tests.distributed" in sys.modules:  # run_ranks' fork server: stopped, not leaked
+        sys.modules["tests.distributed"].stop_fork_server()
     if os.environ.get("GRPO_MEGA_LEAK_CHECK", "1") == "0" or os.environ.get(MARKER) != _SESSION:
         return
     procs, shm = leftovers()

@@ -42,10 +42,9 @@ PEFT_PREFIX = "base_model.model."
 
 def merged_weight(module) -> torch.Tensor:
     """The local shard of W + scale * B A of an adapted linear (``grpo_mega.lora``)."""
-    from grpo_mega.lora import merged_local_weight
+    from grpo_mega.lora import merged_local_weight  # detached: no autograd graph is built
 
-    with torch.no_grad():
-        return merged_local_weight(module)
+    return merged_local_weight(module)
 
 
 _ROWS: dict = {}

@@ -49,6 +49,12 @@ def check_lora(cfg: Config) -> None:
         # the engine's base copy (sync: adapter) would then have to follow
         raise ConfigError(f"algorithm.ref_reset_every={a.ref_reset_every}: with model.lora the reference is "
                           "the frozen base and is never reset (--algorithm.ref_reset_every=0)")
+    if lora.sync == "adapter" and cfg.rollout.placement == "separate":
+        # the separate engine processes have no adapter endpoint: the bridge would refuse
+        # only after the model and engines were built
+        raise ConfigError("model.lora.sync='adapter' needs colocated engines (rollout.placement="
+                          "'separate' cannot load an adapter yet); use --model.lora.sync=merged "
+                          "or --rollout.placement=colocated")
     if cfg.checkpoint.offload_reference or m.reference_fp8:
         raise ConfigError("with model.lora there is no reference model to offload or cast: the reference is "
                           "the actor with its adapters off (--checkpoint.offload_reference=false, "

@@ -102,7 +102,7 @@ def test_gpu_ready_engine_sleeps_for_the_update_and_the_budget_counts_what_the_l
     parameters counted differently from the model megatron builds, or an engine share
     left out of the training phase although the engine the loop built would not sleep on a
     GPU (the other branch, an engine that stays awake, is tests/unit/preflight/test_budget_phases.py)."""
-    r = run_ranks(2, _two_steps, str(tmp_path / "run"), timeout=900)[0]
+    r = run_ranks(2, _two_steps, str(tmp_path / "run"), timeout=900, fresh=True)[0]
     # (a) per step (repeats folded: every generation resumes first, a no-op when awake; a
     # sync loads several buckets; a micro-batch is one forward): resume, generate, release
     # (sleep level 2), the policy's forwards and its optimizer step, torch's cache emptied,

@@ -331,7 +331,7 @@ def _launch() -> tuple:
     atexit.register(shutil.rmtree, root, True)
     for i, (vname, (family, tie)) in enumerate(VARIANTS.items()):
         write_hf_checkpoint(root / vname / "hf", family, tie=tie, seed=i)
-    return tuple(run_ranks(4, _rank_main, str(root), timeout=600))
+    return tuple(run_ranks(4, _rank_main, str(root), timeout=600, fresh=True))
 
 
 def merged(reports, key):

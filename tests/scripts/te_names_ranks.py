@@ -140,7 +140,7 @@ def launch() -> list[dict]:
     from tests.distributed import run_ranks
 
     with tempfile.TemporaryDirectory(prefix="te_names_") as root:
-        return run_ranks(2, _rank_main, root, timeout=900)
+        return run_ranks(2, _rank_main, root, timeout=900, fresh=True)  # te_stub before megatron
 
 
 if __name__ == "__main__":

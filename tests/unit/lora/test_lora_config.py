@@ -46,13 +46,15 @@ def test_lora_section_from_yaml_and_from_a_saved_dict(tmp_path):
     (["--model.transformer_impl=transformer_engine"], "--model.transformer_impl=local"),
     (["--algorithm.kl_coef=0.1", "--algorithm.ref_reset_every=5"], "--algorithm.ref_reset_every=0"),
     (["--checkpoint.offload_reference=true"], "--checkpoint.offload_reference=false"),
+    (["--model.lora.sync=adapter", "--rollout.placement=separate"], "--model.lora.sync=merged"),
     (["--model.family=qwen3_moe", "--model.num_experts=4", "--model.moe_ffn_hidden_size=64"], "MoE models"),
 ])
 def test_lora_start_up_refuses_what_it_cannot_run(flags, match):
     """Guards LoRA combinations that would run wrong silently: the TE spec (its fused layer norm
     hides the normed input from the adapter), a reference reset (the reference is the frozen
     base), an offloaded reference (there is none), MoE (the reference view would replay the
-    policy's routing), and knobs out of range; each refusal names its flag."""
+    policy's routing), adapter sync into separate engines (refused only once the model and
+    engines were built), and knobs out of range; each refusal names its flag."""
     cfg = apply_overrides(Config(), ["--model.lora.rank=4", *flags])
     with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace("[", r"\[")):
         validate(cfg, world_size=1, check_hardware=False)

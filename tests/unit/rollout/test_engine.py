@@ -496,7 +496,7 @@ def test_external_launcher_tp2_engine_coexists_with_trainer_collectives(artifact
     from grpo_mega.data.tokenizer import SentencePieceTokenizer
     from tests.distributed import run_ranks
 
-    r0, r1 = run_ranks(2, _external_launcher_rank, artifacts, timeout=420)
+    r0, r1 = run_ranks(2, _external_launcher_rank, artifacts, timeout=420, fresh=True)
     assert samples_of(r0["first"]) == samples_of(r1["first"])
     assert samples_of(r0["second"]) == samples_of(r1["second"])
     first, second = RolloutBatch.from_dict(r0["first"]), RolloutBatch.from_dict(r0["second"])
@@ -555,7 +555,7 @@ def test_child_engine_serves_its_replica_and_updates_through_shm(engine, prompts
 
     from tests.distributed import run_ranks
 
-    r0, r1 = run_ranks(2, _child_rank, artifacts, prompts, ENGINE_SAMPLING, timeout=420)
+    r0, r1 = run_ranks(2, _child_rank, artifacts, prompts, ENGINE_SAMPLING, timeout=420, fresh=True)
     assert (r0["holds"], r1["holds"]) == (True, False)
     assert r0["fresh_b"] == r1["fresh_b"] and r0["updated_a"] == r1["updated_a"]
     assert r0["leftovers"] == [] and r0["collectives"] == r1["collectives"] == [3.0, 10.0, 1.0]
