@@ -632,6 +632,25 @@ def test_sbatch_template_runs_job_on_real_slurm(slurm, tmp_path):
     print(f"[slurm] job {job_id} took {time.time() - t0:.1f}s")
 
 
+def _port_kept_free() -> int:
+    """A free port below the kernel's ephemeral range, for a rendezvous port that must still
+    be free a minute later (the requeued attempt reuses it). ``free_port`` picks from the
+    ephemeral range, where the suite's other launches pick theirs and outgoing connections
+    get theirs: in a whole-suite run of 2026-11-28 the requeued attempt found its port held
+    by another TCPStore ("Connection reset by peer")."""
+    import random
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.Random().sample(range(20000, max(low, 20001)), min(200, max(low - 20000, 1))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    return free_port()
+
+
 @pytest.mark.slow
 def test_sbatch_requeue_near_time_limit_resumes_in_same_run_dir(slurm, tmp_path):
     """Requeue-safety: the USR1 that --signal sends before the time limit must make the
@@ -640,7 +659,7 @@ def test_sbatch_requeue_near_time_limit_resumes_in_same_run_dir(slurm, tmp_path)
     scancel instead of waiting for the limit, and Slurm's ~2 min requeue delay is
     lifted with StartTime=now; the entry is a stand-in trainer (tests/scripts/launch_resume.py)."""
     env = launch_env(SLURM_CONF=str(slurm.conf), ENTRY="tests/scripts/launch_resume.py", CONFIG="",
-                     NPROC_PER_NODE="1", RUN_ROOT=str(tmp_path / "runs"), MASTER_PORT=str(free_port()))
+                     NPROC_PER_NODE="1", RUN_ROOT=str(tmp_path / "runs"), MASTER_PORT=str(_port_kept_free()))
     r = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/%x-%j.out", "--nodes=1",
                         "--cpus-per-task=2", "--gpus-per-node=0", "--time=10", str(SBATCH)],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
