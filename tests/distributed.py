@@ -68,7 +68,7 @@ def _rank_cpu() -> float:
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _worker(rank, world_size, port, fn, args, queue, backend="gloo", env=None, cwd=None):
+def _worker(rank, world_size, port, fn, args, queue, backend="gloo", env=None, cwd=None, from_server=False):
     # The fork server's environment and directory are those of the first launch: a test
     # that set a variable or changed directory since expects its own, as a spawn gave it.
     if env is not None:
@@ -110,8 +110,9 @@ def _worker(rank, world_size, port, fn, args, queue, backend="gloo", env=None, c
         if dist.is_initialized():
             dist.destroy_process_group()
         # A fork server's child ends in os._exit, which skips the atexit handlers a spawned
-        # rank runs (vLLM unlinks its shared-memory segments in one): run them here.
-        atexit._run_exitfuncs()
+        # rank runs at its exit: run them here (a spawned rank keeps its normal exit).
+        if from_server:
+            atexit._run_exitfuncs()
 
 
 PORT_TAKEN = "EADDRINUSE"
@@ -151,7 +152,8 @@ def _launch(world_size: int, fn, args, timeout: float, backend: str,
     queue = ctx.SimpleQueue()
     port = free_port()
     env, cwd = dict(os.environ), os.getcwd()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend, env, cwd))
+    procs = [ctx.Process(target=_worker,
+                         args=(r, world_size, port, fn, args, queue, backend, env, cwd, not fresh))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -178,7 +180,9 @@ def _launch(world_size: int, fn, args, timeout: float, backend: str,
     for p in procs:
         if port_taken:
             p.kill()
-        p.join(timeout=5)
+        # A rank that sent its result may still be shutting down a vLLM engine (several
+        # seconds on a loaded machine): killed, it leaves the engine's segments behind.
+        p.join(timeout=30)
         if p.is_alive():
             p.kill()
     return results, errors, port_taken
