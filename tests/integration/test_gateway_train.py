@@ -1,8 +1,10 @@
 """``grpo_mega.train`` in gateway mode (issue 40 finding 8): an agent program, started by
 the trainer, plays the tool demo's episodes with the real ``openai`` client through the
 gateway, while the trainer collects the groups, updates and syncs. One short launch at
-world 2: the trainer at TP=2 (its weights gathered for every sync) and two engine replicas
-of one rank each (``rollout.tp=1``), both pumping the agent's calls; real vLLM on CPU. The
+world 4: the trainer at TP=2 x DP=2 (its weights gathered for every sync) and two engine
+replicas of two ranks each (``rollout.tp=2``), both pumping the agent's calls; real vLLM on
+CPU. 108 CPU-s quiet (world 2 with replicas of one rank: 65) since vLLM's oversubscribed
+CPU engines use gloo (c3a35ba); before, their spinning all-reduce cost 188-228. The
 layouts' start-up checks are cheap (no launch).
 
     OMP_NUM_THREADS=1 python -m pytest -q tests/integration/test_gateway_train.py
@@ -41,13 +43,13 @@ def test_gateway_train_agent_program_drives_the_episodes(tmp_path):
     calls no rank serves or an engine replica the pump skips (each of the two replicas
     must serve calls, counted in the log's closing line), a batch that is not the agent's
     token-exact tool episodes, a reward that is not the agent's, weights that reach one
-    replica only (the engines' log-probs must match the TP=2 trainer's at step 2, after a
-    verified sync), an agent left running, or a key readable by others. Two steps with the
+    replica or one engine rank only (the engines' log-probs must match the TP=2 x DP=2
+    trainer's at step 2, after a verified sync), an agent left running, or a key readable by others. Two steps with the
     final evaluation played by the agent too."""
     run = tmp_path / "gw"
-    r = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "grpo_mega.train",
-              *_args(run), "--parallel.tp=2", "--rollout.tp=1", "--rollout.verify_sync=true", "--algorithm.steps=2",
-              "--data.prompts_per_step=4", "--parallel.micro_batch_size=32", "--data.eval_every=0",
+    r = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "grpo_mega.train",
+              *_args(run), "--parallel.tp=2", "--rollout.tp=2", "--rollout.verify_sync=true", "--algorithm.steps=2",
+              "--data.prompts_per_step=4", "--parallel.micro_batch_size=16", "--data.eval_every=0",
               "--logging.tensorboard=false", "--logging.plot=false",
               "--logging.progress=false", "--checkpoint.export_hf=never"], 600)
     assert "agent started" in r.stdout, r.stdout[-2000:]
