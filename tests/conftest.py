@@ -135,14 +135,12 @@ def pytest_runtest_protocol(item, nextitem):
         yield
         return
     import json
-    import resource
     import time
 
-    from tests.distributed import RANK_CPU_S  # run_ranks' ranks: the fork server's children
+    from tests.distributed import RANK_CPU_S, process_cpu_s  # RANK_CPU_S: the fork server's ranks
 
     def cpu() -> float:
-        own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime + RANK_CPU_S[0]
+        return process_cpu_s() + RANK_CPU_S[0]
 
     c0, t0 = cpu(), time.monotonic()
     yield

@@ -34,8 +34,7 @@ PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.paralle
            "grpo_mega.models", "grpo_mega.runtime.lifeline", "tests.distributed"]
 """What the fork server imports before it forks any rank: what nearly every rank function
 imports. None of it starts a thread (checked: one thread after the imports), so forking
-from it is safe; vLLM is left out (its import starts none, but the ranks that run an engine
-are few)."""
+from it is safe; vLLM is left out (the ranks that run an engine spawn fresh)."""
 
 RANK_CPU_S = [0.0]
 """CPU seconds of the ranks launched from this process (each rank reports its own): they
@@ -61,7 +60,8 @@ def stop_fork_server() -> None:
         stop()
 
 
-def _rank_cpu() -> float:
+def process_cpu_s() -> float:
+    """This process's CPU seconds, its waited-for children included."""
     import resource
 
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -103,9 +103,9 @@ def _worker(rank, world_size, port, fn, args, queue, backend="gloo", env=None, c
         # (FileNotFoundError in resource_sharer, seen on a loaded 2-core machine).
         buf = io.BytesIO()
         torch.save(out, buf)
-        queue.put((rank, True, buf.getvalue(), _rank_cpu()))
+        queue.put((rank, True, buf.getvalue(), process_cpu_s()))
     except BaseException:  # noqa: BLE001 - reported to the parent verbatim
-        queue.put((rank, False, traceback.format_exc(), _rank_cpu()))
+        queue.put((rank, False, traceback.format_exc(), process_cpu_s()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
